@@ -1,0 +1,254 @@
+"""REST: packages, sessions, events, runs, archives and capacity (DESIGN §7).
+
+Views are thin: input serializer → service → output serializer. Every queryset is
+scoped to its owner, so another user's object answers 404.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.permissions import IsAdminUser
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.reverse import reverse
+from rest_framework.views import APIView
+
+from agents import services
+from agents.models import AgentPackage, ManagedAgentRecord
+from sageproject.api import StrictFieldsMixin
+from sageproject.errors import NotFoundError
+from scheduling.models import Event, Run, Session, SessionKind, WorkerSnapshot
+
+EVENTS_DEFAULT_LIMIT = 100
+EVENTS_MAX_LIMIT = 200
+
+
+# --- serializers ---------------------------------------------------------------------
+
+class PackageCreateSerializer(StrictFieldsMixin, serializers.Serializer):
+    manifest = serializers.JSONField(help_text="The package manifest (DESIGN §4).")
+    activate = serializers.BooleanField(default=True)
+
+
+class PackageSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AgentPackage
+        fields = ["id", "name", "version", "ref", "active", "manifest", "files", "created_at"]
+
+
+class SessionCreateSerializer(StrictFieldsMixin, serializers.Serializer):
+    package = serializers.CharField(max_length=100, help_text="Package name or ref.")
+    agent = serializers.CharField(max_length=100)
+    kind = serializers.ChoiceField(choices=SessionKind.choices, default=SessionKind.MASTER)
+    title = serializers.CharField(max_length=200, required=False, default="", allow_blank=True)
+
+
+class SessionSerializer(serializers.ModelSerializer):
+    package = serializers.CharField(source="package_ref")
+    agent = serializers.CharField(source="agent_id")
+    events = serializers.IntegerField(source="persisted_events")
+
+    class Meta:
+        model = Session
+        fields = ["id", "package", "package_name", "agent", "kind", "title", "events",
+                  "fork_of", "fork_seq", "created_at", "updated_at"]
+
+
+class EventSerializer(serializers.Serializer):
+    seq = serializers.IntegerField()
+    type = serializers.CharField()
+    run = serializers.UUIDField(source="run_id", allow_null=True)
+    payload = serializers.JSONField()
+    created_at = serializers.DateTimeField()
+
+
+class RunSubmitSerializer(StrictFieldsMixin, serializers.Serializer):
+    session = serializers.UUIDField()
+    input = serializers.CharField(max_length=100_000, allow_blank=False, trim_whitespace=False)
+    priority = serializers.IntegerField(default=0, min_value=-100, max_value=100)
+
+
+class RunSerializer(serializers.ModelSerializer):
+    session = serializers.UUIDField(source="session_id")
+
+    class Meta:
+        model = Run
+        fields = ["id", "session", "status", "queue", "priority", "input", "result", "error",
+                  "interaction", "attempts", "cancel_requested", "parent", "created_at",
+                  "started_at", "finished_at"]
+
+
+class ArchiveSerializer(serializers.ModelSerializer):
+    run = serializers.UUIDField(source="run_id")
+
+    class Meta:
+        model = ManagedAgentRecord
+        fields = ["run", "status", "result", "error", "flow_outputs", "package_ref",
+                  "package_name", "agent_id", "archived_at"]
+
+
+# --- views -----------------------------------------------------------------------------
+
+class PackageViewSet(mixins.CreateModelMixin, mixins.ListModelMixin,
+                     mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Agent packages you own. A version is immutable; saving it again is a no-op."""
+
+    serializer_class = PackageSerializer
+
+    def get_queryset(self):
+        return services.scoped(AgentPackage.objects.all(), self.request.user)
+
+    @extend_schema(request=PackageCreateSerializer, responses={201: PackageSerializer})
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        data = PackageCreateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        package, created = services.package_create(
+            owner=request.user, manifest=data.validated_data["manifest"],
+            activate=data.validated_data["activate"],
+        )
+        body = {**PackageSerializer(package).data, "reused": not created}
+        return Response(body, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+
+class SessionViewSet(mixins.CreateModelMixin, mixins.ListModelMixin,
+                     mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Conversations with one agent of a package."""
+
+    serializer_class = SessionSerializer
+
+    def get_queryset(self):
+        return services.scoped(Session.objects.all(), self.request.user)
+
+    @extend_schema(request=SessionCreateSerializer, responses={201: SessionSerializer})
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        data = SessionCreateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        session = services.session_create(owner=request.user, **data.validated_data)
+        return Response(SessionSerializer(session).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("after", int, description="Only events with seq > after."),
+            OpenApiParameter("limit", int, description=f"1..{EVENTS_MAX_LIMIT}, "
+                             f"default {EVENTS_DEFAULT_LIMIT}."),
+        ],
+        responses={200: EventSerializer(many=True)},
+    )
+    @action(detail=True, methods=["get"])
+    def events(self, request: Request, pk: str | None = None) -> Response:
+        """Durable events in seq order, paged by ``after`` and ``limit``."""
+        session = self.get_object()
+        after = _int_param(request, "after", 0, minimum=0)
+        limit = _int_param(request, "limit", EVENTS_DEFAULT_LIMIT, minimum=1,
+                           maximum=EVENTS_MAX_LIMIT)
+        rows = list(
+            Event.objects.filter(session=session, seq__gt=after).order_by("seq")[: limit + 1]
+        )
+        more = len(rows) > limit
+        rows = rows[:limit]
+        next_url = None
+        if more:
+            base = reverse("session-events", args=[session.pk], request=request)
+            next_url = f"{base}?after={rows[-1].seq}&limit={limit}"
+        return Response({"results": EventSerializer(rows, many=True).data, "next": next_url})
+
+
+def _int_param(request: Request, name: str, default: int, *, minimum: int,
+               maximum: int | None = None) -> int:
+    raw = request.query_params.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        bound = f"from {minimum} to {maximum}" if maximum is not None else f"≥ {minimum}"
+        raise serializers.ValidationError({name: [f"must be an integer {bound}"]})
+    return value
+
+
+class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Runs: submit (202, or 429 when the host's queue is full), read, cancel."""
+
+    serializer_class = RunSerializer
+
+    def get_queryset(self):
+        query = services.scoped(Run.objects.all(), self.request.user)
+        session = self.request.query_params.get("session")
+        if session:
+            query = query.filter(session_id=session)
+        run_status = self.request.query_params.get("status")
+        if run_status:
+            query = query.filter(status=run_status)
+        return query
+
+    @extend_schema(
+        request=RunSubmitSerializer,
+        parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER,
+                                     description="Repeat a submit safely: same key, same run.")],
+        responses={202: RunSerializer},
+    )
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        data = RunSubmitSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        key = request.headers.get("Idempotency-Key") or None
+        if key is not None and len(key) > 200:
+            raise serializers.ValidationError({"Idempotency-Key": ["at most 200 characters"]})
+        run, created = services.run_submit(
+            owner=request.user, session_id=data.validated_data["session"],
+            input=data.validated_data["input"], idempotency_key=key,
+            priority=data.validated_data["priority"],
+        )
+        code = status.HTTP_202_ACCEPTED if created else status.HTTP_200_OK
+        return Response(RunSerializer(run).data, status=code)
+
+    @extend_schema(request=None, responses={202: RunSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str | None = None) -> Response:
+        """Cancel: queued and suspended runs end at once, running ones at their next step."""
+        run = services.run_cancel(run=self.get_object())
+        return Response(RunSerializer(run).data, status=status.HTTP_202_ACCEPTED)
+
+
+class ArchiveViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+    """Terminal results, served from the database with no worker involved."""
+
+    serializer_class = ArchiveSerializer
+    lookup_field = "run_id"
+
+    def get_queryset(self):
+        return services.scoped(ManagedAgentRecord.objects.all(), self.request.user)
+
+    def retrieve(self, request: Request, run_id: str | None = None) -> Response:
+        try:
+            record = services.archive_read(user=request.user, run_id=run_id)
+        except Exception as exc:
+            if isinstance(exc, NotFoundError):
+                raise
+            raise NotFoundError("archive.not_found", "no archived result for that run") from None
+        return Response(ArchiveSerializer(record).data)
+
+
+class CapacityView(APIView):
+    """The latest worker snapshots (staff only)."""
+
+    permission_classes = [IsAdminUser]
+
+    @extend_schema(responses={200: dict})
+    def get(self, request: Request) -> Response:
+        snapshots = WorkerSnapshot.objects.filter(stopped_at__isnull=True)[:20]
+        return Response({
+            "workers": [
+                {"worker_id": s.worker_id, "host": s.host, "pid": s.pid,
+                 "started_at": s.started_at, "heartbeat_at": s.heartbeat_at,
+                 "capacity": s.capacity}
+                for s in snapshots
+            ],
+        })
+
+

@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+
+
+class AgentPackage(models.Model):
+    """An immutable package version; ``ref`` is the content hash of its manifest and files."""
+
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="agent_packages"
+    )
+    name = models.CharField(max_length=100)
+    version = models.CharField(max_length=50)
+    ref = models.CharField(max_length=64, db_index=True)
+    manifest = models.JSONField()
+    files = models.JSONField(default=dict, blank=True)
+    active = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name", "-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["owner", "name", "version"], name="package_owner_name_version"
+            ),
+        ]
+        indexes = [models.Index(fields=["owner", "name", "active"], name="package_active")]
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+class ReadinessReport(models.Model):
+    package = models.ForeignKey(AgentPackage, on_delete=models.CASCADE, related_name="reports")
+    checked_at = models.DateTimeField(auto_now_add=True)
+    valid = models.BooleanField()
+    ready = models.BooleanField()
+    strict = models.BooleanField(default=False)
+    # {agent_id: {"missing_tools": [...], "missing_skills": [...], "unverified": [...]}}
+    agents = models.JSONField(default=dict)
+    error = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-checked_at"]
+
+    def __str__(self) -> str:
+        return f"{self.package} readiness at {self.checked_at:%Y-%m-%d %H:%M}"
+
+
+class ManagedAgentRecord(models.Model):
+    """The terminal archive of a run: readable with no worker, model client or Application."""
+
+    run = models.OneToOneField("scheduling.Run", on_delete=models.CASCADE, related_name="archive")
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="archives"
+    )
+    package_ref = models.CharField(max_length=64)
+    package_name = models.CharField(max_length=100, blank=True)
+    agent_id = models.CharField(max_length=100)
+    status = models.CharField(max_length=10)
+    result = models.JSONField(null=True, blank=True)
+    flow_outputs = models.JSONField(null=True, blank=True)
+    error = models.JSONField(null=True, blank=True)
+    archived_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-archived_at"]
+        indexes = [models.Index(fields=["owner", "-archived_at"], name="archive_owner_recent")]
+
+    def __str__(self) -> str:
+        return f"archive of {self.run_id}"
+
+
+class ReclamationStatus(models.TextChoices):
+    # Written by an operator; waiting for the worker.
+    PENDING = "pending", "Pending"
+    # The worker executed it; ``outcome`` says what was released.
+    DONE = "done", "Done"
+    # The worker refused it; ``outcome`` says why.
+    REFUSED = "refused", "Refused"
+
+
+class ReclamationRequest(models.Model):
+    class Scope(models.TextChoices):
+        # Release idle, safe Applications, up to ``limit``.
+        IDLE = "idle", "All idle (safe)"
+        # Release the selected package refs, if safe.
+        SELECTED = "selected", "Selected"
+
+    requested_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    scope = models.CharField(max_length=10, choices=Scope.choices, default=Scope.IDLE)
+    refs = models.JSONField(default=list, blank=True)
+    min_idle_seconds = models.PositiveIntegerField(default=300)
+    limit = models.PositiveIntegerField(default=1)
+    status = models.CharField(
+        max_length=10, choices=ReclamationStatus.choices, default=ReclamationStatus.PENDING
+    )
+    outcome = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"reclamation #{self.pk} ({self.status})"
+
+
+class JobRecord(models.Model):
+    """What the worker knows of a background job, mirrored for the admin and the API."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    job_id = models.CharField(max_length=100, unique=True)
+    run = models.ForeignKey("scheduling.Run", on_delete=models.CASCADE, related_name="jobs")
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    kind = models.CharField(max_length=50)
+    state = models.CharField(max_length=20)
+    output_bytes = models.PositiveBigIntegerField(default=0)
+    output_chunks = models.PositiveIntegerField(default=0)
+    output_truncated = models.BooleanField(default=False)
+    error = models.JSONField(null=True, blank=True)
+    cancel_requested = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.kind} job {self.job_id}"

@@ -1,0 +1,209 @@
+"""The one door for writes and workflows on packages, sessions and runs.
+
+Views, admin actions, management commands and the worker call these functions; none of
+them re-implements their checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from agents.manifest import Manifest, parse_manifest
+from agents.models import AgentPackage, ManagedAgentRecord
+from sageproject.errors import (
+    ConflictError,
+    NotFoundError,
+    RateLimitedError,
+    SageError,
+    ValidationError,
+)
+from scheduling.models import Run, RunQueue, RunStatus, Session, SessionKind
+
+
+def _split(manifest: Manifest) -> tuple[dict[str, Any], dict[str, str]]:
+    data = manifest.data
+    files = data.pop("files", {})
+    return data, files
+
+
+def package_create(*, owner, manifest: dict[str, Any] | str | bytes, activate: bool = True,
+                   yaml_ok: bool = False) -> tuple[AgentPackage, bool]:
+    """Save a package version; returns (package, created).
+
+    The same version with the same content answers the existing row (``created`` False);
+    the same version with other content raises ``package.version_conflict`` (409).
+    Raises ``package.invalid`` (400) for a manifest that does not validate.
+    """
+    parsed = parse_manifest(manifest, yaml_ok=yaml_ok)
+    data, files = _split(parsed)
+    existing = AgentPackage.objects.filter(
+        owner=owner, name=parsed.name, version=parsed.version
+    ).first()
+    if existing is not None:
+        if existing.ref != parsed.ref:
+            raise ConflictError(
+                "package.version_conflict",
+                f"{parsed.name}@{parsed.version} exists with other content; versions are "
+                "immutable, publish a new version",
+                details={"name": parsed.name, "version": parsed.version, "ref": existing.ref},
+            )
+        return existing, False
+    try:
+        with transaction.atomic():
+            package = AgentPackage.objects.create(
+                owner=owner, name=parsed.name, version=parsed.version, ref=parsed.ref,
+                manifest=data, files=files, active=False,
+            )
+            if activate and not AgentPackage.objects.filter(
+                owner=owner, name=parsed.name, active=True
+            ).exists():
+                AgentPackage.objects.filter(pk=package.pk).update(active=True)
+                package.active = True
+    except IntegrityError:
+        # A concurrent save of the same version won the race: answer as a repeat.
+        return package_create(owner=owner, manifest=manifest, activate=activate, yaml_ok=yaml_ok)
+    return package, True
+
+
+def package_resolve(*, owner, name_or_ref: str) -> AgentPackage:
+    """The owner's active version of a package name, or the version with that ref."""
+    packages = AgentPackage.objects.filter(owner=owner)
+    package = (
+        packages.filter(ref=name_or_ref).first()
+        or packages.filter(name=name_or_ref, active=True).first()
+        or packages.filter(name=name_or_ref).order_by("-created_at").first()
+    )
+    if package is None:
+        raise NotFoundError("package.not_found", f"no package {name_or_ref!r}")
+    return package
+
+
+def session_create(*, owner, package: str, agent: str, kind: str = SessionKind.MASTER,
+                   title: str = "") -> Session:
+    """Open a session on the owner's package and one of its agents."""
+    pkg = package_resolve(owner=owner, name_or_ref=package)
+    if agent not in (pkg.manifest.get("agents") or {}):
+        raise ValidationError(
+            "session.agent_not_found",
+            f"package {pkg.name!r} has no agent {agent!r}",
+            details={"fields": {"agent": [f"unknown agent {agent!r}"]}},
+        )
+    return Session.objects.create(
+        owner=owner, package_ref=pkg.ref, package_name=pkg.name, agent_id=agent, kind=kind,
+        title=title,
+    )
+
+
+def queue_full_error(limit: int) -> RateLimitedError:
+    return RateLimitedError(
+        "scheduler.queue_full",
+        f"the host has {limit} queued runs, its limit; try again shortly",
+        resumable=True,
+        details={"max_pending": limit, "retry_after": 2},
+    )
+
+
+def run_submit(*, owner, session_id: Any, input: Any, idempotency_key: str | None = None,
+               queue: str = RunQueue.CHAT, priority: int = 0) -> tuple[Run, bool]:
+    """Admit a run (queued); returns (run, created).
+
+    A repeated ``idempotency_key`` answers the run it created first. Raises
+    ``scheduler.queue_full`` (429) when the host already holds its pending limit.
+    """
+    if idempotency_key:
+        existing = Run.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
+        if existing is not None:
+            return existing, False
+    session = Session.objects.filter(pk=session_id, owner=owner).first()
+    if session is None:
+        raise NotFoundError("session.not_found", "session not found")
+    limit = settings.SAGE["SAGE_SERVER_MAX_PENDING_RUNS"]
+    if Run.objects.filter(status=RunStatus.QUEUED, parent__isnull=True).count() >= limit:
+        raise queue_full_error(limit)
+    try:
+        with transaction.atomic():
+            run = Run.objects.create(
+                session=session, owner=owner, input=input, idempotency_key=idempotency_key or None,
+                queue=queue, priority=priority,
+            )
+    except IntegrityError:
+        existing = Run.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
+        if existing is None:
+            raise
+        return existing, False
+    return run, True
+
+
+def _cancel_error() -> dict[str, Any]:
+    return {"code": "run.cancelled", "category": "CANCELLED", "message": "the run was cancelled",
+            "retryable": False, "resumable": False}
+
+
+def run_cancel(*, run: Run) -> Run:
+    """Cancel a run: a queued or suspended one at once, a running one through its worker.
+
+    Idempotent: a terminal run is answered unchanged.
+    """
+    from scheduling.store import append_events_sync
+
+    with transaction.atomic():
+        now = timezone.now()
+        stopped = Run.objects.filter(
+            pk=run.pk, status__in=[RunStatus.QUEUED, RunStatus.SUSPENDED]
+        ).update(status=RunStatus.CANCELLED, cancel_requested=True, finished_at=now,
+                 error=_cancel_error(), interaction=None)
+        if stopped:
+            append_events_sync(session_id=run.session_id, run_id=run.pk,
+                               events=[("run.cancelled", {"error": _cancel_error()})], fence=None)
+            fresh = Run.objects.select_related("session").get(pk=run.pk)
+            archive_terminal(fresh)
+        else:
+            Run.objects.filter(pk=run.pk, status=RunStatus.RUNNING).update(cancel_requested=True)
+    return Run.objects.get(pk=run.pk)
+
+
+def archive_terminal(run: Run) -> ManagedAgentRecord:
+    """Write (or refresh) the terminal archive of a finished run."""
+    session = run.session
+    record, _ = ManagedAgentRecord.objects.update_or_create(
+        run=run,
+        defaults={
+            "owner_id": run.owner_id, "package_ref": session.package_ref,
+            "package_name": session.package_name, "agent_id": session.agent_id,
+            "status": run.status, "result": run.result, "error": run.error,
+        },
+    )
+    return record
+
+
+def archive_read(*, user, run_id: Any) -> ManagedAgentRecord:
+    """An archived result, checked against ownership first (another user's → 404)."""
+    query = ManagedAgentRecord.objects.select_related("run")
+    if not user.is_staff:
+        query = query.filter(owner=user)
+    record = query.filter(run_id=run_id).first()
+    if record is None:
+        raise NotFoundError("archive.not_found", "no archived result for that run")
+    return record
+
+
+def scoped(queryset, user, field: str = "owner"):
+    """Objects the user may see: their own, or everything for staff."""
+    if user.is_staff:
+        return queryset
+    return queryset.filter(**{field: user})
+
+
+def shared_or_own(queryset, user):
+    return queryset.filter(Q(owner=user) | Q(owner__isnull=True))
+
+
+__all__ = [
+    "SageError", "archive_read", "archive_terminal", "package_create", "package_resolve",
+    "run_cancel", "run_submit", "session_create",
+]

@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+from django.urls import path
+from rest_framework.routers import DefaultRouter
+
+from agents import api as agents_api
+from pooling import api as pooling_api
+
+router = DefaultRouter()
+router.register("model-records", pooling_api.ModelRecordViewSet, basename="modelrecord")
+router.register("packages", agents_api.PackageViewSet, basename="package")
+router.register("sessions", agents_api.SessionViewSet, basename="session")
+router.register("runs", agents_api.RunViewSet, basename="run")
+router.register("archives", agents_api.ArchiveViewSet, basename="archive")
+
+urlpatterns = [
+    path("capacity", agents_api.CapacityView.as_view(), name="capacity"),
+    path("capacity/", agents_api.CapacityView.as_view()),
+    *router.urls,
+]

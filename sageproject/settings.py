@@ -1,0 +1,153 @@
+"""Django settings, read from the environment (see docs/DESIGN.md §6)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from sageproject import config as sage_config
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+LOCAL_DIR = Path(os.environ.get("SAGE_LOCAL_DIR", BASE_DIR / ".local"))
+
+SAGE_CONFIG = sage_config.load(base_dir=str(BASE_DIR))
+SAGE = SAGE_CONFIG.values
+
+
+def _secret_key() -> str:
+    """The key from SECRET_KEY, else one generated on first run into a git-ignored file."""
+    if os.environ.get("SECRET_KEY"):
+        return os.environ["SECRET_KEY"]
+    path = LOCAL_DIR / "secret_key"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        LOCAL_DIR.mkdir(parents=True, exist_ok=True)
+        key = secrets.token_urlsafe(50)
+        # O_EXCL: two processes starting together must not write two different keys.
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return path.read_text().strip()
+        with os.fdopen(fd, "w") as handle:
+            handle.write(key)
+        return key
+
+
+SECRET_KEY = _secret_key()
+DEBUG = SAGE["DEBUG"]
+ALLOWED_HOSTS = [
+    h.strip()
+    for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",")
+    if h.strip()
+]
+CSRF_TRUSTED_ORIGINS = [
+    o.strip() for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()
+]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "sageproject",
+    "pooling",
+    "scheduling",
+    "agents",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "sageproject.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+WSGI_APPLICATION = "sageproject.wsgi.application"
+ASGI_APPLICATION = "sageproject.asgi.application"
+
+DATABASES = {"default": SAGE_CONFIG.database}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+# Serve the admin's CSS straight from the installed apps: `make run` needs no collectstatic.
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
+
+DATA_UPLOAD_MAX_MEMORY_SIZE = SAGE["SAGE_MAX_REQUEST_BYTES"]
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "sageproject.api.Pagination",
+    "PAGE_SIZE": 50,
+    "EXCEPTION_HANDLER": "sageproject.api.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"]
+    + (["rest_framework.renderers.BrowsableAPIRenderer"] if DEBUG else []),
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Sage Host API",
+    "DESCRIPTION": "Run AI-agent Runs on a shared host: sessions, runs, events, archives.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+# Where runs execute: the worker (scheduling) looks the executor up by name so that
+# scheduling never imports agents (DESIGN §2 dependency direction).
+SAGE_RUN_EXECUTOR = "agents.execution.RunExecutor"
+SAGE_TOOL_MODULES = [
+    m.strip() for m in os.environ.get("SAGE_TOOL_MODULES", "").split(",") if m.strip()
+]
+SAGE_SKILL_DIRS = [
+    d.strip() for d in os.environ.get("SAGE_SKILL_DIRS", "").split(os.pathsep) if d.strip()
+]
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "loggers": {"django.server": {"level": "WARNING"}},
+}

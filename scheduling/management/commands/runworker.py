@@ -1,0 +1,32 @@
+"""``manage.py runworker``: the process that executes runs (see scheduling.worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from django.core.management.base import BaseCommand
+
+from scheduling.worker import Worker, install_signal_handlers
+
+
+class Command(BaseCommand):
+    help = "Claim queued runs and execute them until SIGTERM/SIGINT."
+    requires_system_checks = "__all__"
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--max-concurrent", type=int, default=None,
+                            help="override SAGE_SERVER_MAX_CONCURRENT_RUNS")
+
+    def handle(self, *args, **options) -> None:
+        async def main() -> None:
+            worker = Worker(max_concurrent=options["max_concurrent"])
+            install_signal_handlers(worker)
+            logging.getLogger("sage.worker").info(
+                "worker %s started: up to %d concurrent runs", worker.worker_id,
+                worker.max_concurrent,
+            )
+            await worker.run()
+            logging.getLogger("sage.worker").info("worker %s stopped", worker.worker_id)
+
+        asyncio.run(main())

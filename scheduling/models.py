@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import orjson
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class SessionKind(models.TextChoices):
+    # The user's main conversation; its live kernel is never closed for idleness.
+    MASTER = "master", "Master"
+    # A side conversation branched from a master.
+    BRANCH = "branch", "Branch"
+    # A delegated deep-work conversation.
+    DEEP = "deep", "Deep"
+    # A background job's conversation.
+    JOB = "job", "Job"
+    # A copy of another session's history up to fork_seq.
+    FORK = "fork", "Fork"
+
+
+class Session(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="agent_sessions"
+    )
+    # The package is referenced by its immutable content hash (and its name for people);
+    # scheduling does not import agents (DESIGN §2), so there is no foreign key.
+    package_ref = models.CharField(max_length=64, db_index=True)
+    package_name = models.CharField(max_length=100)
+    agent_id = models.CharField(max_length=100)
+    kind = models.CharField(max_length=10, choices=SessionKind.choices, default=SessionKind.MASTER)
+    fork_of = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="forks"
+    )
+    fork_seq = models.PositiveIntegerField(null=True, blank=True)
+    title = models.CharField(max_length=200, blank=True)
+    # Length of the durable event prefix: events 1..persisted_events exist in the database.
+    persisted_events = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["owner", "-created_at"], name="session_owner_recent")]
+
+    def __str__(self) -> str:
+        return f"{self.package_name}/{self.agent_id} {str(self.id)[:8]}"
+
+
+class Event(models.Model):
+    """One durable event. ``data`` holds the payload serialized once (orjson) as text."""
+
+    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="events")
+    seq = models.PositiveIntegerField()
+    run = models.ForeignKey(
+        "Run", null=True, blank=True, on_delete=models.SET_NULL, related_name="events"
+    )
+    type = models.CharField(max_length=64)
+    data = models.TextField(default="{}")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["session", "seq"]
+        constraints = [
+            models.UniqueConstraint(fields=["session", "seq"], name="event_session_seq"),
+        ]
+
+    def __str__(self) -> str:
+        return f"#{self.seq} {self.type}"
+
+    @property
+    def payload(self) -> Any:
+        return orjson.loads(self.data)
+
+
+class RunQueue(models.TextChoices):
+    # Interactive turns of a session.
+    CHAT = "chat", "Chat"
+    # Runs started by the management service (packages run as applications).
+    MANAGED = "managed", "Managed"
+
+
+class RunStatus(models.TextChoices):
+    # Admitted, waiting for a worker.
+    QUEUED = "queued", "Queued"
+    # Claimed by a worker that holds its lease.
+    RUNNING = "running", "Running"
+    # Waiting for the user (an interaction); a reply queues it again.
+    SUSPENDED = "suspended", "Suspended"
+    COMPLETED = "completed", "Completed"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+TERMINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+UNFINISHED_STATUSES = frozenset({RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.SUSPENDED})
+
+
+class Run(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="runs")
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="runs")
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="children"
+    )
+    queue = models.CharField(max_length=10, choices=RunQueue.choices, default=RunQueue.CHAT)
+    priority = models.IntegerField(default=0)
+    status = models.CharField(max_length=10, choices=RunStatus.choices, default=RunStatus.QUEUED)
+    input = models.JSONField(default=str, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    # {"code", "category", "message", "retryable", "resumable"}; never a raw upstream body.
+    error = models.JSONField(null=True, blank=True)
+    # The pending interaction of a suspended run: {"id", "type", "code", "allowed_decisions", ...}.
+    interaction = models.JSONField(null=True, blank=True)
+    idempotency_key = models.CharField(max_length=200, null=True, blank=True)
+    cancel_requested = models.BooleanField(default=False)
+    available_at = models.DateTimeField(default=timezone.now)
+    lease_owner = models.CharField(max_length=200, blank=True, default="")
+    # Fencing token: strictly increasing across all claims; a write must present the current one.
+    lease_token = models.BigIntegerField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["owner", "idempotency_key"], name="run_owner_idempotency_key"
+            ),
+        ]
+        indexes = [
+            # The worker's claim query: queued runs that are available, oldest first.
+            models.Index(fields=["status", "available_at", "created_at"], name="run_claim"),
+            # Per-user quota counts and the owner's run list.
+            models.Index(fields=["owner", "status"], name="run_owner_status"),
+            # Reaping expired leases.
+            models.Index(fields=["status", "lease_expires_at"], name="run_lease_expiry"),
+            models.Index(fields=["session", "created_at"], name="run_session_created"),
+        ]
+
+    def __str__(self) -> str:
+        return f"run {str(self.id)[:8]} ({self.status})"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+class FenceSequence(models.Model):
+    """The one global fencing-token counter (a single row, id=1)."""
+
+    value = models.BigIntegerField(default=0)
+
+
+class WorkerSnapshot(models.Model):
+    worker_id = models.CharField(max_length=200, unique=True)
+    host = models.CharField(max_length=255)
+    pid = models.PositiveIntegerField()
+    started_at = models.DateTimeField()
+    heartbeat_at = models.DateTimeField()
+    stopped_at = models.DateTimeField(null=True, blank=True)
+    capacity = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["-heartbeat_at"]
+
+    def __str__(self) -> str:
+        return self.worker_id
