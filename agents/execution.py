@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
@@ -25,6 +24,7 @@ from agents.tools import ToolContext, ToolRegistry, build_registry
 from pooling.models import ModelRecord
 from pooling.providers import get_adapter
 from pooling.providers.base import ModelRequest
+from sageproject.db import db_call
 from sageproject.errors import ErrorCategory, NotFoundError, SageError, ValidationError
 from scheduling.models import Event, Run, RunStatus
 from scheduling.store import Fence, append_events, check_fence
@@ -186,7 +186,7 @@ class RunExecutor:
         its lease.
         """
         try:
-            prepared = await sync_to_async(self._prepare_sync, thread_sensitive=False)(run_id)
+            prepared = await db_call(self._prepare_sync, run_id)
         except SageError as exc:
             return await self._finish(run_id, fence, RunStatus.FAILED, None, error_dict(exc), None)
 
@@ -240,11 +240,20 @@ class RunExecutor:
         self, run_id: Any, fence: Fence, status: str, result: Any, error: Any,
         prepared: PreparedRun | None,
     ) -> str:
+        """Terminal event, then terminal status and archive, both fenced.
+
+        Shielded: a cancellation arriving now must not leave a half-finished run.
+        """
+        event_type = TERMINAL_EVENTS[status]
+        payload = {"result": result} if result is not None else {"error": error}
         try:
+            if prepared is not None:
+                await asyncio.shield(append_events(
+                    session_id=prepared.session_id, run_id=run_id,
+                    events=[(event_type, payload)], fence=fence,
+                ))
             await asyncio.shield(
-                sync_to_async(finish_run_sync, thread_sensitive=False)(
-                    fence=fence, status=status, result=result, error=error
-                )
+                db_call(finish_run_sync, fence=fence, status=status, result=result, error=error)
             )
         except SageError as exc:
             if exc.code == "scheduler.fence_rejected":
@@ -254,22 +263,19 @@ class RunExecutor:
         return status
 
 
-def finish_run_sync(*, fence: Fence, status: str, result: Any, error: Any) -> None:
-    """Terminal status, terminal event and archive in one fenced transaction."""
-    from scheduling.store import append_events_sync
+TERMINAL_EVENTS = {
+    RunStatus.COMPLETED: "run.completed",
+    RunStatus.FAILED: "run.failed",
+    RunStatus.CANCELLED: "run.cancelled",
+}
 
-    event_type = {RunStatus.COMPLETED: "run.completed", RunStatus.FAILED: "run.failed",
-                  RunStatus.CANCELLED: "run.cancelled"}[status]
-    payload = {"result": result} if result is not None else {"error": error}
+
+def finish_run_sync(*, fence: Fence, status: str, result: Any, error: Any) -> None:
+    """Terminal status and archive in one transaction, only while the lease holds."""
     with transaction.atomic():
         check_fence(fence)
-        run = Run.objects.select_related("session").get(pk=fence.run_id)
-        append_events_sync(session_id=run.session_id, run_id=run.pk,
-                           events=[(event_type, payload)], fence=None)
-        now = timezone.now()
-        Run.objects.filter(pk=run.pk).update(
-            status=status, result=result, error=error, finished_at=now, lease_owner="",
-            lease_expires_at=None, interaction=None,
+        Run.objects.filter(pk=fence.run_id).update(
+            status=status, result=result, error=error, finished_at=timezone.now(),
+            lease_owner="", lease_expires_at=None, interaction=None,
         )
-        run.refresh_from_db()
-        archive_terminal(run)
+        archive_terminal(Run.objects.select_related("session").get(pk=fence.run_id))

@@ -149,8 +149,6 @@ def run_cancel(*, run: Run) -> Run:
 
     Idempotent: a terminal run is answered unchanged.
     """
-    from scheduling.store import append_events_sync
-
     with transaction.atomic():
         now = timezone.now()
         stopped = Run.objects.filter(
@@ -158,8 +156,8 @@ def run_cancel(*, run: Run) -> Run:
         ).update(status=RunStatus.CANCELLED, cancel_requested=True, finished_at=now,
                  error=_cancel_error(), interaction=None)
         if stopped:
-            append_events_sync(session_id=run.session_id, run_id=run.pk,
-                               events=[("run.cancelled", {"error": _cancel_error()})], fence=None)
+            # No event here: the worker's store owns the session's sequence. The run's
+            # status and its archive say it was cancelled.
             fresh = Run.objects.select_related("session").get(pk=run.pk)
             archive_terminal(fresh)
         else:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from django.core.exceptions import PermissionDenied
+from django.conf import settings
+from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.db import connection
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect
@@ -58,6 +59,11 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     """Render every error as the DESIGN §5 envelope."""
     if isinstance(exc, SageError):
         return sage_error_response(exc)
+    if isinstance(exc, RequestDataTooBig):
+        body = envelope("request.too_large", "request body is larger than this host accepts",
+                        category=ErrorCategory.VALIDATION,
+                        details={"max_bytes": settings.DATA_UPLOAD_MAX_MEMORY_SIZE})
+        return Response(body, status=http.HTTP_413_REQUEST_ENTITY_TOO_LARGE)
     if isinstance(exc, Http404):
         exc = drf_exceptions.NotFound()
     elif isinstance(exc, PermissionDenied):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,7 +134,12 @@ def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
                     "PRAGMA foreign_keys=ON;PRAGMA busy_timeout=30000;"
                 ),
             },
-            "TEST": {"NAME": None},
+            # Tests use a file (not shared-cache memory): the worker's threads then get
+            # real WAL concurrency with busy waits instead of table-lock errors.
+            # One connection per thread for the process's life: reopening costs the PRAGMAs.
+            "CONN_MAX_AGE": None,
+            "TEST": {"NAME": os.path.join(tempfile.gettempdir(),
+                                          f"sage-test-{os.getpid()}.sqlite3")},
         }
     if scheme in {"postgres", "postgresql", "pgsql"}:
         options: dict[str, Any] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import warnings
 from pathlib import Path
 
 from sageproject import config as sage_config
@@ -92,6 +93,9 @@ WSGI_APPLICATION = "sageproject.wsgi.application"
 ASGI_APPLICATION = "sageproject.asgi.application"
 
 DATABASES = {"default": SAGE_CONFIG.database}
+if os.environ.get("SAGE_TEST_DB_NAME"):
+    # The test runner names its databases so that parallel runs on one server don't collide.
+    DATABASES["default"].setdefault("TEST", {})["NAME"] = os.environ["SAGE_TEST_DB_NAME"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -105,6 +109,8 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "staticfiles"
+# Without collectstatic there is no STATIC_ROOT; the finders serve the files instead.
+warnings.filterwarnings("ignore", message="No directory at")
 # Serve the admin's CSS straight from the installed apps: `make run` needs no collectstatic.
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG

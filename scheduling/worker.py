@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
+from sageproject.db import db_call
 from scheduling import claims
 from scheduling.models import WorkerSnapshot
-from scheduling.store import Fence
+from scheduling.store import Fence, close_default_coordinator
 
 logger = logging.getLogger("sage.worker")
 
@@ -34,7 +34,7 @@ BACKOFF_START, BACKOFF_MAX = 0.1, 5.0
 
 
 def _db(fn):
-    return sync_to_async(fn, thread_sensitive=False)
+    return lambda *args, **kwargs: db_call(fn, *args, **kwargs)
 
 
 @dataclass(slots=True)
@@ -96,6 +96,7 @@ class Worker:
             await asyncio.gather(publisher, return_exceptions=True)
             await self.executor.close()
             await self._publish(stopped=True)
+            await close_default_coordinator()
 
     async def _claim_loop(self) -> None:
         backoff = BACKOFF_START

@@ -1,0 +1,398 @@
+"""Job contracts shared by every job runtime (BEHAVIOUR §6.2).
+
+A *job* is long-running work an agent starts and keeps talking past: a data export, a long
+Python computation. A runtime admits it (bounded), runs it through a *runner* chosen by its
+``kind``, buffers its output within caps, and keeps its terminal state for a while so a
+client that reconnects can still read it.
+
+Runner contract::
+
+    async def runner(spec: JobSpec, emit: Emit, cancel_event: asyncio.Event) -> JobCompletion | None
+
+``await emit(stream, data)`` appends output (``stream`` is ``"stdout"``, ``"stderr"`` or
+``"progress"``; ``data`` is ``bytes`` or ``str``, the latter encoded as UTF-8). Output past a
+cap is dropped silently and the job is marked ``output_truncated``; the runner goes on.
+``cancel_event`` is set when the job is being cancelled; the runtime also cancels the
+runner's task, so cleanup belongs in ``finally``. Returning ``None`` means exit code 0. An
+exception makes the job FAILED with ``job.runner_failed``.
+
+This module imports neither Django nor Celery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Protocol
+
+from sageproject.errors import (
+    ConflictError,
+    ErrorCategory,
+    NotFoundError,
+    RateLimitedError,
+    SageError,
+    ValidationError,
+)
+
+MiB = 1024 * 1024
+
+
+class JobState(StrEnum):
+    # Admitted, waiting for a runner slot.
+    CREATED = "created"
+    # The runner is executing.
+    RUNNING = "running"
+    # Cancellation requested; the runner is being stopped.
+    STOPPING = "stopping"
+    # The runner returned (any exit code).
+    COMPLETED = "completed"
+    # The runner raised (or its kind vanished before it started).
+    FAILED = "failed"
+    # Cancelled, by a client, a run pause or runtime close.
+    KILLED = "killed"
+    # Still executing, but its owning run let go of it (worker restart); ``adopt`` reattaches.
+    ORPHANED = "orphaned"
+
+
+TERMINAL_STATES: frozenset[JobState] = frozenset(
+    {JobState.COMPLETED, JobState.FAILED, JobState.KILLED}
+)
+ACTIVE_STATES: frozenset[JobState] = frozenset(
+    {JobState.CREATED, JobState.RUNNING, JobState.STOPPING, JobState.ORPHANED}
+)
+
+
+class JobPauseBehavior(StrEnum):
+    # Keep running while the owning run is paused.
+    CONTINUE = "continue"
+    # Suspend with the run (no runtime here supports it; submit rejects it).
+    SUSPEND = "suspend"
+    # Keep running, detached from the run; the default.
+    DETACH = "detach"
+    # Cancel when the owning run pauses.
+    CANCEL = "cancel"
+
+
+class JobExecutionAffinity(StrEnum):
+    # Run wherever jobs run (worker or Celery host), away from the agent's own process state.
+    SANDBOX = "sandbox"
+    # Must run in the host process that submitted it.
+    HOST = "host"
+
+
+class JobStream(StrEnum):
+    STDOUT = "stdout"
+    STDERR = "stderr"
+    PROGRESS = "progress"
+
+
+JOB_EVENT_TYPES = ("job.created", "job.started", "job.completed", "job.failed", "job.killed")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobSpec:
+    """What to run: ``kind`` picks the runner, ``payload`` is its JSON-able input."""
+
+    owner_run_id: str
+    kind: str
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    pause_behavior: JobPauseBehavior = JobPauseBehavior.DETACH
+    execution_affinity: JobExecutionAffinity = JobExecutionAffinity.SANDBOX
+    idempotency_key: str | None = None
+    # Can only lower the runtime's per-job caps, never raise them.
+    max_output_bytes: int | None = None
+    max_output_chunks: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.owner_run_id:
+            raise ValidationError("job.invalid_spec", "owner_run_id is required")
+        if not self.kind:
+            raise ValidationError("job.invalid_spec", "kind is required")
+        if self.max_output_bytes is not None and self.max_output_bytes <= 0:
+            raise ValidationError("job.invalid_spec", "max_output_bytes must be > 0")
+        if self.max_output_chunks is not None and self.max_output_chunks <= 0:
+            raise ValidationError("job.invalid_spec", "max_output_chunks must be > 0")
+        # Coerce plain strings so specs decoded from JSON compare equal to typed ones.
+        object.__setattr__(self, "pause_behavior", JobPauseBehavior(self.pause_behavior))
+        object.__setattr__(
+            self, "execution_affinity", JobExecutionAffinity(self.execution_affinity)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "owner_run_id": self.owner_run_id,
+            "kind": self.kind,
+            "payload": dict(self.payload),
+            "pause_behavior": str(self.pause_behavior),
+            "execution_affinity": str(self.execution_affinity),
+            "idempotency_key": self.idempotency_key,
+            "max_output_bytes": self.max_output_bytes,
+            "max_output_chunks": self.max_output_chunks,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobCursor:
+    """A position in a job's output: ``offset`` counts accepted bytes from the start."""
+
+    job_id: str
+    offset: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobHandle:
+    job_id: str
+    owner_run_id: str
+    kind: str
+    state: JobState
+    pause_behavior: JobPauseBehavior
+    execution_affinity: JobExecutionAffinity
+    output_cursor: JobCursor
+    # Where the job really runs: a Celery task id, or None in process.
+    external_handle_ref: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobSnapshot:
+    """A job's full observable state; ``output_cursor.offset`` is the accepted byte total."""
+
+    job_id: str
+    owner_run_id: str
+    kind: str
+    state: JobState
+    pause_behavior: JobPauseBehavior
+    execution_affinity: JobExecutionAffinity
+    output_cursor: JobCursor
+    external_handle_ref: str | None
+    created_at: datetime
+    updated_at: datetime
+    exit_code: int | None = None
+    output_artifacts: tuple[str, ...] = ()
+    usage: Mapping[str, Any] = field(default_factory=dict)
+    # ``{"code", "category", "message", "retryable", "resumable"}`` when FAILED/KILLED.
+    error: Mapping[str, Any] | None = None
+    output_truncated: bool = False
+    output_bytes: int = 0
+    output_chunks: int = 0
+    idempotency_key: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    def handle(self) -> JobHandle:
+        return JobHandle(
+            job_id=self.job_id,
+            owner_run_id=self.owner_run_id,
+            kind=self.kind,
+            state=self.state,
+            pause_behavior=self.pause_behavior,
+            execution_affinity=self.execution_affinity,
+            output_cursor=self.output_cursor,
+            external_handle_ref=self.external_handle_ref,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobOutputChunk:
+    job_id: str
+    stream: JobStream
+    offset: int
+    next_offset: int
+    data: bytes
+    occurred_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobCompletion:
+    exit_code: int = 0
+    usage: Mapping[str, Any] = field(default_factory=dict)
+    output_artifacts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobRuntimeCapabilities:
+    durable: bool
+    reconnect: bool
+    adoption: bool
+    suspend: bool
+    output_cursor: bool
+    terminal_purge: bool
+    automatic_retention: bool
+    # False when runners live in another process (Celery): register them there.
+    local_runners: bool
+    max_concurrent_jobs: int
+    max_admitted_jobs: int
+    max_job_output_bytes: int
+    max_job_output_chunks: int
+    max_buffered_output_bytes: int
+    max_buffered_output_chunks: int
+    terminal_ttl_seconds: float
+    max_retained_terminal_jobs: int
+    output_reconnect_window_seconds: float
+
+
+class Emit(Protocol):
+    def __call__(self, stream: str, data: bytes | str, /) -> Awaitable[None]: ...
+
+
+Runner = Callable[[JobSpec, Emit, asyncio.Event], Awaitable[JobCompletion | None]]
+# on_event(snapshot, event_type, data): lets the caller persist job.* session events.
+JobEventCallback = Callable[[JobSnapshot, str, Mapping[str, Any]], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobLimits:
+    """The limits of BEHAVIOUR §6.3, validated once and shared by both runtimes."""
+
+    max_concurrent_jobs: int = 32
+    max_admitted_jobs: int = 1024
+    max_job_output_bytes: int = 8 * MiB
+    max_job_output_chunks: int = 8192
+    max_buffered_output_bytes: int = 256 * MiB
+    max_buffered_output_chunks: int = 65536
+    terminal_ttl_seconds: float = 86400
+    max_retained_terminal_jobs: int = 4096
+    output_reconnect_window_seconds: float = 300
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent_jobs < 1:
+            raise ValueError("max_concurrent_jobs must be >= 1")
+        if self.max_admitted_jobs < 1:
+            raise ValueError("max_admitted_jobs must be >= 1")
+        if self.terminal_ttl_seconds < 1:
+            raise ValueError("terminal_ttl_seconds must be >= 1")
+        for name in (
+            "max_job_output_bytes",
+            "max_job_output_chunks",
+            "max_buffered_output_bytes",
+            "max_buffered_output_chunks",
+            "max_retained_terminal_jobs",
+            "output_reconnect_window_seconds",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+    @property
+    def retention_seconds(self) -> float:
+        # A terminal row lives at least as long as a client may take to reconnect.
+        return max(self.terminal_ttl_seconds, self.output_reconnect_window_seconds)
+
+    def job_caps(self, spec: JobSpec) -> tuple[int, int]:
+        """The effective per-job (bytes, chunks) caps: a spec can only lower them."""
+        max_bytes = self.max_job_output_bytes
+        if spec.max_output_bytes is not None:
+            max_bytes = min(max_bytes, spec.max_output_bytes)
+        max_chunks = self.max_job_output_chunks
+        if spec.max_output_chunks is not None:
+            max_chunks = min(max_chunks, spec.max_output_chunks)
+        return max_bytes, max_chunks
+
+
+def code_tools_enabled() -> bool:
+    """True when the operator enabled code tools (``SAGE_CODE_TOOLS=1``)."""
+    return os.environ.get("SAGE_CODE_TOOLS", "0").strip() == "1"
+
+
+def to_bytes(data: bytes | str) -> bytes:
+    if isinstance(data, str):
+        return data.encode("utf-8")
+    return bytes(data)
+
+
+# --- errors (stable codes of BEHAVIOUR §6.3) -------------------------------------------
+
+
+def runtime_closed() -> SageError:
+    return SageError(
+        "job.runtime_closed", "the job runtime is closed", category=ErrorCategory.CANCELLED
+    )
+
+
+def queue_full(limit: int) -> SageError:
+    return RateLimitedError(
+        "job.queue_full",
+        f"too many admitted jobs (limit {limit}); try again later",
+        details={"max_admitted_jobs": limit},
+    )
+
+
+def capacity_exhausted(rows: int) -> SageError:
+    # Back-pressure against reconnect-protected terminal rows: purging frees it.
+    return RateLimitedError(
+        "job.capacity_exhausted",
+        f"job capacity exhausted ({rows} rows retained); purge terminal jobs",
+        details={"rows": rows},
+    )
+
+
+def kind_unsupported(kind: str) -> SageError:
+    return ValidationError("job.kind_unsupported", f"no runner for job kind {kind!r}")
+
+
+def pause_behavior_unsupported(behavior: str) -> SageError:
+    return ValidationError(
+        "job.pause_behavior_unsupported", f"pause behaviour {behavior!r} is not supported"
+    )
+
+
+def job_not_found(job_id: str) -> SageError:
+    return NotFoundError("job.not_found", f"job {job_id} not found")
+
+
+def invalid_transition(job_id: str, state: str, action: str) -> SageError:
+    return ConflictError(
+        "job.invalid_transition", f"job {job_id} cannot {action} from state {state}"
+    )
+
+
+def owner_conflict(job_id: str) -> SageError:
+    return SageError(
+        "job.owner_conflict",
+        f"job {job_id} belongs to another run",
+        category=ErrorCategory.AUTHORIZATION,
+    )
+
+
+def invalid_argument(message: str) -> SageError:
+    return ValidationError("job.invalid_argument", message)
+
+
+def runner_failed_error(exc: BaseException) -> dict[str, Any]:
+    """The ``error`` of a job whose runner raised; resumable: the run itself is safe."""
+    # Truncated: a runner message is not a place for megabytes of payload echo.
+    return {
+        "code": "job.runner_failed",
+        "category": str(ErrorCategory.UPSTREAM),
+        "message": f"job runner failed: {type(exc).__name__}: {str(exc)[:500]}",
+        "retryable": False,
+        "resumable": True,
+    }
+
+
+def killed_error(reason: str) -> dict[str, Any]:
+    return {
+        "code": "job.killed",
+        "category": str(ErrorCategory.CANCELLED),
+        "message": f"job killed: {reason}",
+        "retryable": False,
+        "resumable": True,
+    }
+
+
+def kind_unsupported_error(kind: str) -> dict[str, Any]:
+    return {
+        "code": "job.kind_unsupported",
+        "category": str(ErrorCategory.VALIDATION),
+        "message": f"no runner for job kind {kind!r} on this worker",
+        "retryable": False,
+        "resumable": True,
+    }

@@ -1,0 +1,170 @@
+"""Celery side of ``CeleryJobRuntime``: the runner registry and the task that runs one job.
+
+Runners cannot travel over a broker, so they are registered *in the worker process* by
+kind: the built-ins (``echo`` and ``sleep`` diagnostics; ``python_script`` when
+``SAGE_CODE_TOOLS=1``) plus whatever the modules named in ``SAGE_JOB_RUNNER_MODULES``
+(comma-separated) register through ``register_runner`` when imported.
+
+The task is synchronous (Celery) and drives the async runner on a per-thread event loop, so
+it works with ``--pool=threads`` (recommended: jobs mostly wait on I/O or subprocesses) and
+``--pool=prefork``. Cancellation is cooperative: a watcher polls the job's Redis cancel flag,
+sets the runner's ``cancel_event`` and cancels its task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+from redis.asyncio import Redis
+
+from agents.jobs.base import (
+    JobCompletion,
+    JobSpec,
+    JobState,
+    JobStream,
+    Runner,
+    killed_error,
+    kind_unsupported_error,
+    runner_failed_error,
+    to_bytes,
+)
+from agents.jobs.builtins import builtin_runners
+from agents.jobs.redis_store import RedisJobStore, is_terminal
+from sageproject.celery import app, redis_url
+
+logger = logging.getLogger(__name__)
+
+TASK_NAME = "sage.jobs.run"
+# How often a running job checks its cancel flag, and a waiting job retries for a slot.
+POLL_SECONDS = 0.05
+
+RUNNERS: dict[str, Runner] = {}
+
+
+def register_runner(kind: str, runner: Runner) -> None:
+    """Register ``runner`` for ``kind`` in this worker process (replaces an existing one)."""
+    RUNNERS[kind] = runner
+
+
+def unregister_runner(kind: str) -> bool:
+    """Remove the runner for ``kind``; returns True if there was one."""
+    return RUNNERS.pop(kind, None) is not None
+
+
+def registered_kinds() -> frozenset[str]:
+    """The kinds this process would run: what a submitter accepts by default."""
+    return frozenset(RUNNERS)
+
+
+def _load_runners() -> None:
+    RUNNERS.update(builtin_runners())
+    for module in filter(None, os.environ.get("SAGE_JOB_RUNNER_MODULES", "").split(",")):
+        importlib.import_module(module.strip())
+
+
+_load_runners()
+
+_local = threading.local()
+
+
+def _thread_store(prefix: str) -> tuple[asyncio.AbstractEventLoop, RedisJobStore]:
+    # One loop and one connection pool per worker thread, reused across jobs: opening a
+    # connection per job would dominate the cost of trivial jobs.
+    loop = getattr(_local, "loop", None)
+    if loop is None:
+        loop = asyncio.new_event_loop()
+        _local.loop = loop
+        _local.client = Redis.from_url(os.environ.get("SAGE_JOBS_REDIS_URL") or redis_url())
+        _local.stores = {}
+    stores: dict[str, RedisJobStore] = _local.stores
+    store = stores.get(prefix)
+    if store is None:
+        store = stores[prefix] = RedisJobStore(_local.client, prefix)
+    return loop, store
+
+
+async def execute_job(store: RedisJobStore, job_id: str, runners: dict[str, Runner]) -> None:
+    """Run one admitted job to a terminal state, recording everything in ``store``."""
+    while True:
+        outcome = await store.start(job_id)
+        if outcome == "started":
+            break
+        if outcome == "gone":
+            # Killed before it started (or unknown): the revoke may have raced the message.
+            return
+        # Every cluster-wide slot is taken (max_concurrent_jobs): wait for one.
+        await asyncio.sleep(POLL_SECONDS)
+
+    row = await store.row(job_id)
+    if row is None:
+        return
+    spec = JobSpec.from_dict(json.loads(row[b"spec"]))
+    runner = runners.get(spec.kind)
+    if runner is None:
+        await store.finish(job_id, JobState.FAILED, error=kind_unsupported_error(spec.kind))
+        return
+
+    async def emit(stream: str, data: bytes | str) -> None:
+        body = to_bytes(data)
+        if body:
+            await store.emit(job_id, str(JobStream(stream)), body)
+
+    cancel_event = asyncio.Event()
+    work = asyncio.ensure_future(runner(spec, emit, cancel_event))
+
+    async def watch_cancel() -> None:
+        while not work.done():
+            if await store.cancel_requested(job_id):
+                cancel_event.set()
+                work.cancel()
+                return
+            await asyncio.sleep(POLL_SECONDS)
+
+    watcher = asyncio.ensure_future(watch_cancel())
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        await _finish_killed(store, job_id)
+    except Exception as exc:
+        logger.info("job %s (%s) failed: %r", job_id, spec.kind, exc)
+        await store.finish(job_id, JobState.FAILED, error=runner_failed_error(exc))
+    else:
+        if await store.cancel_requested(job_id):
+            await _finish_killed(store, job_id)
+        else:
+            completion = result if result is not None else JobCompletion()
+            await store.finish(
+                job_id,
+                JobState.COMPLETED,
+                exit_code=completion.exit_code,
+                usage=completion.usage,
+                artifacts=tuple(completion.output_artifacts),
+            )
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+async def _finish_killed(store: RedisJobStore, job_id: str) -> None:
+    raw = await store.client.hget(store.key("job", job_id), "kill_error")
+    error: dict[str, Any] = json.loads(raw) if raw else killed_error("cancelled")
+    await store.finish(job_id, JobState.KILLED, error=error)
+
+
+@app.task(name=TASK_NAME, ignore_result=True)
+def run_job(job_id: str, prefix: str) -> str:
+    """Celery entry point: run job ``job_id`` stored under ``prefix``; returns its final state."""
+    loop, store = _thread_store(prefix)
+    loop.run_until_complete(execute_job(store, job_id, RUNNERS))
+    state = loop.run_until_complete(store.states([job_id]))[0]
+    if state is not None and not is_terminal(state):
+        logger.warning("job %s left the worker in state %s", job_id, state)
+    return state or "gone"

@@ -1,0 +1,242 @@
+"""The ``openai`` protocol: Chat Completions streaming through the official ``openai`` SDK.
+
+``AsyncOpenAI`` takes the record's ``base_url``, so any OpenAI-compatible server (vLLM,
+Ollama, LM Studio, gateways) works. SDK retries are off (``max_retries=0``): retrying is the
+run's decision, made from the ``retryable`` flag of the error we raise, not the SDK's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx2  # the SDKs' own HTTP transport
+import openai
+
+from .base import ModelRequest, StreamEnd, StreamItem, TextDelta, ToolCall, record_options
+from .errors import (
+    connection_error,
+    parse_error_body,
+    retry_after_from_headers,
+    upstream_error,
+)
+
+DEFAULT_TIMEOUT_SECONDS = 600.0
+# A placeholder key for keyless local servers: the SDK refuses to build a client without one.
+KEYLESS = "sk-no-key-required"
+# Request parameters a record's options may set; everything else in options is ignored so a
+# typo cannot smuggle arbitrary arguments into the SDK call.
+PASSTHROUGH_OPTIONS = (
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "parallel_tool_calls",
+    "tool_choice",
+    "reasoning_effort",
+    "user",
+)
+STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "function_call": "tool_use",
+                "length": "max_tokens"}
+
+
+def to_openai_messages(request: ModelRequest) -> list[dict[str, Any]]:
+    """The normalized conversation as Chat Completions messages (system first)."""
+    out: list[dict[str, Any]] = []
+    if request.system:
+        out.append({"role": "system", "content": request.system})
+    for message in request.messages:
+        role = message.get("role")
+        if role == "user":
+            out.append({"role": "user", "content": str(message.get("content", ""))})
+        elif role == "assistant":
+            item: dict[str, Any] = {"role": "assistant", "content": message.get("content") or None}
+            calls = message.get("tool_calls") or []
+            if calls:
+                item["tool_calls"] = [
+                    {
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {
+                            "name": call["name"],
+                            "arguments": json.dumps(call.get("arguments") or {}),
+                        },
+                    }
+                    for call in calls
+                ]
+            elif item["content"] is None:
+                item["content"] = ""
+            out.append(item)
+        elif role == "tool":
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": message["tool_call_id"],
+                    "content": str(message.get("content", "")),
+                }
+            )
+        else:
+            raise ValueError(f"unsupported message role {role!r}")
+    return out
+
+
+def to_openai_tools(request: ModelRequest) -> list[dict[str, Any]]:
+    """The offered tools as Chat Completions function tools."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": tool.name,
+                "description": tool.description,
+                "parameters": tool.parameters or {"type": "object", "properties": {}},
+            },
+        }
+        for tool in request.tools
+    ]
+
+
+def parse_arguments(raw: str) -> dict:
+    """Tool-call arguments parsed from JSON; anything but a JSON object gives ``{"_raw": raw}``."""
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {"_raw": raw}
+    return value if isinstance(value, dict) else {"_raw": raw}
+
+
+class OpenAIAdapter:
+    """Adapter for the ``openai`` protocol (OpenAI and every OpenAI-compatible server)."""
+
+    protocol = "openai"
+
+    async def create_client(self, record: Any) -> openai.AsyncOpenAI:
+        """An ``AsyncOpenAI`` for ``record`` (no request is sent); never retries on its own.
+
+        ``options["timeout"]`` (seconds) bounds each request; default 600.
+        """
+        options = record_options(record)
+        return openai.AsyncOpenAI(
+            api_key=getattr(record, "api_key", None) or KEYLESS,
+            base_url=getattr(record, "base_url", None) or None,
+            max_retries=0,
+            timeout=float(options.get("timeout", DEFAULT_TIMEOUT_SECONDS)),
+        )
+
+    async def close_client(self, client: Any) -> None:
+        """Close the client's HTTP connection pool."""
+        await client.close()
+
+    def transform_error(self, status: int, body: bytes | str) -> str | None:
+        """A short reason from an OpenAI-compatible (or other known) error body, else ``None``."""
+        return parse_error_body(body)
+
+    async def stream(self, client: Any, request: ModelRequest) -> AsyncIterator[StreamItem]:
+        """Stream one chat completion: ``TextDelta``s, then ``ToolCall``s, then ``StreamEnd``.
+
+        Tool-call argument fragments are accumulated by index and parsed at the end. Raises
+        ``UpstreamError`` (see ``pooling.providers.upstream_error``) for HTTP errors, error
+        events inside the stream, connection failures and timeouts.
+        """
+        options = request.options or {}
+        kwargs: dict[str, Any] = {
+            "model": request.model,
+            "messages": to_openai_messages(request),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        # Newer OpenAI models only accept max_completion_tokens; most compatible servers only
+        # know max_tokens, which stays the default.
+        kwargs[str(options.get("max_tokens_param", "max_tokens"))] = request.max_tokens
+        if request.tools:
+            kwargs["tools"] = to_openai_tools(request)
+        for name in PASSTHROUGH_OPTIONS:
+            if name in options:
+                kwargs[name] = options[name]
+        if isinstance(options.get("extra_body"), dict):
+            kwargs["extra_body"] = options["extra_body"]
+
+        secrets = (str(getattr(client, "api_key", "") or ""),)
+        calls: dict[int, dict[str, Any]] = {}
+        finish_reason: str | None = None
+        usage = {"input_tokens": 0, "output_tokens": 0}
+        try:
+            stream = await client.chat.completions.create(**kwargs)
+            try:
+                async for chunk in stream:
+                    if chunk.usage is not None:
+                        usage = {
+                            "input_tokens": chunk.usage.prompt_tokens or 0,
+                            "output_tokens": chunk.usage.completion_tokens or 0,
+                        }
+                    for choice in chunk.choices or ():
+                        if choice.index not in (0, None):
+                            continue
+                        delta = choice.delta
+                        if delta is not None and delta.content:
+                            yield TextDelta(text=delta.content)
+                        for fragment in (delta.tool_calls if delta is not None else None) or ():
+                            call = calls.setdefault(
+                                fragment.index, {"id": None, "name": "", "arguments": []}
+                            )
+                            if fragment.id:
+                                call["id"] = fragment.id
+                            function = fragment.function
+                            if function is not None:
+                                if function.name and not call["name"]:
+                                    call["name"] = function.name
+                                if function.arguments:
+                                    call["arguments"].append(function.arguments)
+                        if choice.finish_reason:
+                            finish_reason = choice.finish_reason
+            finally:
+                # Ends the HTTP response even when the consumer stops early (aclose/cancel).
+                await stream.close()
+        except openai.APIStatusError as exc:
+            raise self._status_error(exc, secrets) from None
+        except openai.APITimeoutError as exc:
+            raise connection_error("timed out", cause=exc) from None
+        except openai.APIConnectionError as exc:
+            raise connection_error("connection failed", cause=exc) from None
+        except httpx2.TimeoutException as exc:
+            # Mid-stream read timeouts escape the SDK unwrapped.
+            raise connection_error("timed out", cause=exc) from None
+        except httpx2.TransportError as exc:
+            # So does a connection dropped mid-stream.
+            raise connection_error("connection lost", cause=exc) from None
+        except openai.APIError as exc:
+            # An error event inside an otherwise successful (200) stream.
+            body = json.dumps({"error": exc.body if exc.body is not None else exc.message})
+            raise upstream_error(None, body, adapter=self, secrets=secrets) from None
+
+        for index in sorted(calls):
+            call = calls[index]
+            yield ToolCall(
+                id=call["id"] or f"call_{index}",
+                name=call["name"],
+                arguments=parse_arguments("".join(call["arguments"])),
+            )
+        stop = STOP_REASONS.get(finish_reason or "stop", finish_reason or "end_turn")
+        if calls and stop == "end_turn":
+            # Some compatible servers (Ollama) finish a tool-calling turn with "stop".
+            stop = "tool_use"
+        yield StreamEnd(stop_reason=stop, usage=usage)
+
+    def _status_error(self, exc: openai.APIStatusError, secrets: tuple[str, ...]) -> Exception:
+        response = exc.response
+        try:
+            body: bytes | str = response.text
+        except httpx2.ResponseNotRead:
+            # A streamed response whose body was never read; the SDK's parsed body remains.
+            body = json.dumps(exc.body) if exc.body is not None else ""
+        return upstream_error(
+            exc.status_code,
+            body,
+            adapter=self,
+            retry_after=retry_after_from_headers(response.headers),
+            secrets=secrets,
+        )

@@ -1,0 +1,203 @@
+"""Fixtures for the job runtime tests: a real Celery worker over real Redis.
+
+Imported explicitly by the job test modules (``from tests.agents.conftest_jobs import ...``)
+so no shared ``conftest.py`` is needed. Redis DB 14 holds broker and job keys; every test
+gets its own key prefix, and everything written is deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from agents.jobs import InMemoryJobRuntime, JobSpec
+
+REPO = Path(__file__).resolve().parents[2]
+REDIS_URL = os.environ.get("SAGE_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
+WORKER_START_TIMEOUT = 40.0
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool] | bool], *, within: float = 20.0, interval: float = 0.01
+) -> None:
+    """Poll ``check`` until it is true; for state that lives in another process (Redis,
+    a worker, the kernel) and so has no event to wait on. Raises ``TimeoutError``."""
+    async with asyncio.timeout(within):
+        while True:
+            result = check()
+            if inspect.isawaitable(result):
+                result = await result
+            if result:
+                return
+            await asyncio.sleep(interval)
+
+
+def redis_available() -> bool:
+    try:
+        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+def require_redis() -> None:
+    """Skip without Redis, except under CI where a missing Redis is a failure."""
+    if redis_available():
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"Redis is required under CI but {REDIS_URL} is unreachable")
+    pytest.skip(f"Redis not reachable at {REDIS_URL} (set CI=true to make this a failure)")
+
+
+def delete_keys(pattern: str) -> None:
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=pattern, count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+class CeleryWorker:
+    """A ``celery worker`` subprocess consuming one private queue."""
+
+    def __init__(self, queue: str, *, concurrency: int = 4, code_tools: bool = True) -> None:
+        self.queue = queue
+        env = {
+            **os.environ,
+            "REDIS_URL": REDIS_URL,
+            "SAGE_CODE_TOOLS": "1" if code_tools else "0",
+            "PYTHONPATH": str(REPO),
+        }
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "sageproject.celery",
+                "worker",
+                "--pool=threads",
+                f"--concurrency={concurrency}",
+                "-Q",
+                queue,
+                "-n",
+                f"{queue}@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "--loglevel=WARNING",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        delete_keys(f"*{self.queue}*")
+
+
+def celery_app() -> Celery:
+    app = Celery("sage-tests")
+    app.conf.update(broker_url=REDIS_URL, task_ignore_result=True, broker_connection_retry=False)
+    return app
+
+
+async def wait_until_worker_ready(worker: CeleryWorker, app: Celery) -> None:
+    """Run diagnostic ``echo`` jobs until one completes: the worker is consuming."""
+    from agents.jobs import CeleryJobRuntime
+
+    runtime = CeleryJobRuntime(
+        redis_url=REDIS_URL,
+        key_prefix=f"sagetest:ready:{worker.queue}",
+        celery_app=app,
+        queue=worker.queue,
+    )
+    try:
+        handle = await runtime.submit(JobSpec(owner_run_id="ready", kind="echo"))
+        async with asyncio.timeout(WORKER_START_TIMEOUT):
+            await runtime.wait(handle.job_id)
+    finally:
+        await runtime.close()
+        delete_keys(f"sagetest:ready:{worker.queue}:*")
+
+
+@pytest.fixture(scope="module")
+def celery_worker() -> Iterator[CeleryWorker]:
+    """A real Celery worker subprocess (threads pool) on a queue unique to this module."""
+    require_redis()
+    worker = CeleryWorker(f"sagetest-{uuid.uuid4().hex[:8]}")
+    try:
+        # In a thread: the fixture may be requested from inside a running event loop.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pool.submit(asyncio.run, wait_until_worker_ready(worker, celery_app())).result()
+        yield worker
+    finally:
+        worker.stop()
+
+
+RuntimeFactory = Callable[..., Awaitable[Any]]
+
+
+@pytest.fixture(params=["memory", "celery"])
+async def make_runtime(request: pytest.FixtureRequest) -> AsyncIterator[RuntimeFactory]:
+    """``await make_runtime(**limits)`` builds a runtime of the parametrized kind.
+
+    Every runtime built is closed at teardown, and a Celery one's Redis keys deleted.
+    """
+    built: list[Any] = []
+    prefixes: list[str] = []
+    worker: CeleryWorker | None = None
+    app: Celery | None = None
+    if request.param == "celery":
+        worker = request.getfixturevalue("celery_worker")
+        app = celery_app()
+
+    async def make(**kwargs: Any) -> Any:
+        if request.param == "memory":
+            runtime: Any = InMemoryJobRuntime(**kwargs)
+        else:
+            from agents.jobs import CeleryJobRuntime
+
+            assert worker is not None
+            prefix = f"sagetest:{uuid.uuid4().hex[:12]}"
+            prefixes.append(prefix)
+            kwargs.setdefault("poll_interval_seconds", 0.02)
+            kwargs.setdefault("cancel_timeout_seconds", 15.0)
+            runtime = CeleryJobRuntime(
+                redis_url=REDIS_URL,
+                key_prefix=prefix,
+                celery_app=app,
+                queue=worker.queue,
+                **kwargs,
+            )
+        built.append(runtime)
+        return runtime
+
+    make.kind = request.param  # type: ignore[attr-defined]
+    yield make
+    for runtime in built:
+        await runtime.close()
+    for prefix in prefixes:
+        delete_keys(f"{prefix}:*")

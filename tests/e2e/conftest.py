@@ -1,0 +1,87 @@
+"""An in-process worker running in its own thread and event loop, for end-to-end tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from scheduling.models import TERMINAL_STATUSES, Run
+from scheduling.worker import Worker
+
+
+class WorkerThread:
+    def __init__(self, **options) -> None:
+        self.options = options
+        self.loop = asyncio.new_event_loop()
+        self.worker: Worker | None = None
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self.thread = threading.Thread(target=self._main, name="test-worker", daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def main() -> None:
+            self.worker = Worker(**self.options)
+            self._ready.set()
+            await self.worker.run()
+
+        try:
+            self.loop.run_until_complete(main())
+        except BaseException as exc:  # surfaced by stop()
+            self.error = exc
+            self._ready.set()
+        finally:
+            from django.db import connections
+
+            connections.close_all()
+
+    def start(self) -> WorkerThread:
+        self.thread.start()
+        assert self._ready.wait(10), "worker did not start"
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.worker is not None and self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.worker.request_stop)
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "worker did not stop"
+        if self.error:
+            raise self.error
+
+
+def wait_for(predicate: Callable[[], bool], *, timeout: float = 30.0,
+              message: str = "condition") -> None:
+    """Poll the database until ``predicate`` holds; fail with ``message`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {message}")
+
+
+def all_terminal(run_ids) -> bool:
+    return Run.objects.filter(pk__in=run_ids).exclude(status__in=TERMINAL_STATUSES).count() == 0
+
+
+@pytest.fixture
+def start_worker() -> Iterator[Callable[..., WorkerThread]]:
+    started: list[WorkerThread] = []
+
+    def start(**options) -> WorkerThread:
+        options.setdefault("lease_seconds", 6)
+        options.setdefault("heartbeat_seconds", 1)
+        options.setdefault("grace_seconds", 5)
+        worker = WorkerThread(**options).start()
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        if worker.thread.is_alive():
+            worker.stop()

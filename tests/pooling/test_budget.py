@@ -1,0 +1,488 @@
+"""ModelConcurrencyBudget: bounds, FIFO hand-off, timeouts, cancellation, wrap()."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from pooling.budget import BoundedModelProvider, ModelConcurrencyBudget
+from sageproject.errors import ErrorCategory, SageError
+
+SNAPSHOT_KEYS = [
+    "limit",
+    "active",
+    "waiting",
+    "max_waiting",
+    "wait_timeout_seconds",
+    "rejected",
+    "timed_out",
+]
+
+
+async def until(predicate: Callable[[], bool], *, rounds: int = 1000) -> None:
+    """Yield to the loop until ``predicate`` holds (bounded, no wall-clock sleeps)."""
+    for _ in range(rounds):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never became true")
+
+
+class Holder:
+    """Holds one budget slot until ``release()``; lets tests stage queues precisely."""
+
+    def __init__(self, budget: ModelConcurrencyBudget) -> None:
+        self.budget = budget
+        self.entered = asyncio.Event()
+        self.done = asyncio.Event()
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async with self.budget.lease():
+            self.entered.set()
+            await self.done.wait()
+
+    async def release(self) -> None:
+        self.done.set()
+        await self.task
+
+
+async def queue_waiter(
+    budget: ModelConcurrencyBudget, order: list[str], name: str, hold: asyncio.Event | None = None
+) -> None:
+    async with budget.lease():
+        order.append(name)
+        if hold is not None:
+            await hold.wait()
+
+
+async def enqueue(budget: ModelConcurrencyBudget, coro: Any) -> asyncio.Task[Any]:
+    """Start ``coro`` and wait until it has joined the budget's queue."""
+    before = budget.waiting
+    task = asyncio.create_task(coro)
+    await until(lambda: budget.waiting == before + 1)
+    return task
+
+
+# -- validation ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.0, True, "2", None])
+def test_it_rejects_an_invalid_limit(limit: Any) -> None:
+    with pytest.raises(ValueError):
+        ModelConcurrencyBudget(limit)
+
+
+@pytest.mark.parametrize("max_waiting", [-1, 1.5, False, "3", None])
+def test_it_rejects_an_invalid_max_waiting(max_waiting: Any) -> None:
+    with pytest.raises(ValueError):
+        ModelConcurrencyBudget(2, max_waiting=max_waiting)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, math.inf, math.nan, True, "5", None])
+def test_it_rejects_an_invalid_wait_timeout(timeout: Any) -> None:
+    with pytest.raises(ValueError):
+        ModelConcurrencyBudget(2, wait_timeout_seconds=timeout)
+
+
+def test_it_has_the_documented_defaults_and_snapshot_order() -> None:
+    snapshot = ModelConcurrencyBudget().snapshot()
+    assert list(snapshot) == SNAPSHOT_KEYS
+    assert snapshot == {
+        "limit": 8,
+        "active": 0,
+        "waiting": 0,
+        "max_waiting": 128,
+        "wait_timeout_seconds": 60,
+        "rejected": 0,
+        "timed_out": 0,
+    }
+
+
+# -- admission ---------------------------------------------------------------------------
+
+
+async def test_it_admits_up_to_the_limit_without_waiting() -> None:
+    budget = ModelConcurrencyBudget(2)
+    async with budget.lease(), budget.lease():
+        assert budget.snapshot()["active"] == 2
+        assert budget.snapshot()["waiting"] == 0
+    assert budget.snapshot()["active"] == 0
+
+
+async def test_it_returns_the_slot_when_the_body_raises() -> None:
+    budget = ModelConcurrencyBudget(1)
+    with pytest.raises(RuntimeError):
+        async with budget.lease():
+            raise RuntimeError("boom")
+    assert budget.snapshot()["active"] == 0
+
+
+async def test_it_queues_a_caller_when_every_slot_is_held() -> None:
+    budget = ModelConcurrencyBudget(1)
+    holder = Holder(budget)
+    await holder.entered.wait()
+    order: list[str] = []
+    waiter = await enqueue(budget, queue_waiter(budget, order, "w"))
+    assert budget.snapshot()["waiting"] == 1
+    assert order == []
+    await holder.release()
+    await waiter
+    assert order == ["w"]
+    assert budget.snapshot()["active"] == 0
+    assert budget.snapshot()["waiting"] == 0
+
+
+async def test_it_rejects_the_third_waiter_when_the_queue_is_full() -> None:
+    budget = ModelConcurrencyBudget(1, max_waiting=2)
+    holder = Holder(budget)
+    await holder.entered.wait()
+    order: list[str] = []
+    waiters = [await enqueue(budget, queue_waiter(budget, order, f"w{i}")) for i in range(2)]
+    with pytest.raises(SageError) as caught:
+        async with budget.lease():
+            pass
+    error = caught.value
+    assert error.code == "model.queue_full"
+    assert error.category is ErrorCategory.RATE_LIMITED
+    assert error.retryable and error.resumable
+    assert error.details["model_budget"] == {
+        "limit": 1,
+        "active": 1,
+        "waiting": 2,
+        "max_waiting": 2,
+        "wait_timeout_seconds": 60,
+        "rejected": 1,
+        "timed_out": 0,
+    }
+    await holder.release()
+    await asyncio.gather(*waiters)
+    assert order == ["w0", "w1"]
+    assert budget.snapshot()["rejected"] == 1
+
+
+async def test_it_admits_only_immediate_calls_when_max_waiting_is_zero() -> None:
+    budget = ModelConcurrencyBudget(1, max_waiting=0)
+    async with budget.lease():
+        with pytest.raises(SageError) as caught:
+            async with budget.lease():
+                pass
+    assert caught.value.code == "model.queue_full"
+    async with budget.lease():
+        assert budget.snapshot()["active"] == 1
+
+
+# -- FIFO --------------------------------------------------------------------------------
+
+
+async def test_it_hands_released_slots_to_waiters_in_arrival_order() -> None:
+    budget = ModelConcurrencyBudget(1)
+    holder = Holder(budget)
+    await holder.entered.wait()
+    order: list[str] = []
+    waiters = [await enqueue(budget, queue_waiter(budget, order, f"w{i}")) for i in range(5)]
+    await holder.release()
+    await asyncio.gather(*waiters)
+    assert order == ["w0", "w1", "w2", "w3", "w4"]
+
+
+async def test_it_never_lets_a_newcomer_jump_the_queue_after_a_release() -> None:
+    budget = ModelConcurrencyBudget(1)
+    # Hold the slot from the test body itself so the release below does not yield.
+    held = budget.lease()
+    await held.__aenter__()
+    order: list[str] = []
+    first = await enqueue(budget, queue_waiter(budget, order, "queued"))
+    await held.__aexit__(None, None, None)
+    # The slot now belongs to the queued waiter even though it has not resumed yet.
+    assert budget.snapshot()["active"] == 1
+    newcomer = asyncio.create_task(queue_waiter(budget, order, "newcomer"))
+    await asyncio.gather(first, newcomer)
+    assert order == ["queued", "newcomer"]
+
+
+# -- timeouts ------------------------------------------------------------------------------
+
+
+async def test_it_times_out_a_waiter_that_gets_no_slot() -> None:
+    budget = ModelConcurrencyBudget(1, wait_timeout_seconds=0.05)
+    holder = Holder(budget)
+    await holder.entered.wait()
+    with pytest.raises(SageError) as caught:
+        async with budget.lease():
+            pass
+    error = caught.value
+    assert error.code == "model.queue_timeout"
+    assert error.category is ErrorCategory.RATE_LIMITED
+    assert error.retryable and error.resumable
+    assert error.details["model_budget"]["timed_out"] == 1
+    assert error.details["model_budget"]["waiting"] == 0
+    await holder.release()
+    assert budget.snapshot()["active"] == 0
+    assert budget.snapshot()["timed_out"] == 1
+
+
+async def test_it_times_out_every_expired_waiter_and_serves_the_later_ones() -> None:
+    budget = ModelConcurrencyBudget(1, wait_timeout_seconds=0.05)
+    holder = Holder(budget)
+    await holder.entered.wait()
+    results = await asyncio.gather(
+        *(queue_waiter(budget, [], str(i)) for i in range(3)), return_exceptions=True
+    )
+    assert [getattr(r, "code", None) for r in results] == ["model.queue_timeout"] * 3
+    assert budget.snapshot()["timed_out"] == 3
+    order: list[str] = []
+    late = await enqueue(budget, queue_waiter(budget, order, "late"))
+    await holder.release()
+    await late
+    assert order == ["late"]
+    assert budget.snapshot()["active"] == 0
+
+
+async def test_it_never_cuts_off_an_admitted_call_at_the_wait_timeout() -> None:
+    budget = ModelConcurrencyBudget(1, wait_timeout_seconds=0.05)
+    outcome: list[str] = []
+
+    async def long_call() -> None:
+        async with budget.lease():
+            # The body outlives the wait timeout: another caller times out waiting for us.
+            with pytest.raises(SageError) as caught:
+                async with budget.lease():
+                    pass
+            assert caught.value.code == "model.queue_timeout"
+            outcome.append("finished")
+
+    await long_call()
+    assert outcome == ["finished"]
+    assert budget.snapshot()["active"] == 0
+
+
+async def test_it_lets_an_upstream_timeout_error_pass_through_uncounted() -> None:
+    budget = ModelConcurrencyBudget(1)
+    with pytest.raises(TimeoutError):
+        async with budget.lease():
+            raise TimeoutError("upstream read timed out")
+    assert budget.snapshot()["timed_out"] == 0
+    assert budget.snapshot()["active"] == 0
+
+
+# -- cancellation --------------------------------------------------------------------------
+
+
+async def test_it_drops_a_cancelled_waiter_from_the_queue() -> None:
+    budget = ModelConcurrencyBudget(1)
+    holder = Holder(budget)
+    await holder.entered.wait()
+    order: list[str] = []
+    doomed = await enqueue(budget, queue_waiter(budget, order, "doomed"))
+    survivor = await enqueue(budget, queue_waiter(budget, order, "survivor"))
+    doomed.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    assert budget.snapshot()["waiting"] == 1
+    await holder.release()
+    await survivor
+    assert order == ["survivor"]
+    assert budget.snapshot()["active"] == 0
+
+
+async def test_it_does_not_leak_a_slot_when_a_waiter_is_cancelled_during_hand_off() -> None:
+    budget = ModelConcurrencyBudget(1)
+    held = budget.lease()
+    await held.__aenter__()
+    order: list[str] = []
+    handed = await enqueue(budget, queue_waiter(budget, order, "handed"))
+    nxt = await enqueue(budget, queue_waiter(budget, order, "next"))
+    # Releasing does not yield, so ``handed`` owns the slot but has not resumed yet.
+    await held.__aexit__(None, None, None)
+    assert budget.snapshot()["waiting"] == 1
+    # The slot has been handed to ``handed`` but it has not resumed: cancel it now.
+    assert budget.snapshot()["active"] == 1
+    handed.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await handed
+    # A leaked slot would leave ``next`` queued forever; fail instead of hanging.
+    async with asyncio.timeout(5):
+        await nxt
+    assert order == ["next"]
+    assert budget.snapshot()["active"] == 0
+    assert budget.snapshot()["waiting"] == 0
+
+
+async def test_it_returns_the_slot_when_the_body_is_cancelled() -> None:
+    budget = ModelConcurrencyBudget(1)
+    holder = Holder(budget)
+    await holder.entered.wait()
+    holder.task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await holder.task
+    assert budget.snapshot()["active"] == 0
+
+
+async def test_it_keeps_counters_consistent_under_random_cancellations() -> None:
+    import random
+
+    rng = random.Random(7)
+    budget = ModelConcurrencyBudget(3, max_waiting=40)
+    peak = 0
+
+    async def call(i: int) -> None:
+        nonlocal peak
+        async with budget.lease():
+            peak = max(peak, budget.active)
+            for _ in range(rng.randint(0, 3)):
+                await asyncio.sleep(0)
+
+    for _wave in range(10):
+        tasks = [asyncio.create_task(call(i)) for i in range(30)]
+        for _ in range(rng.randint(0, 5)):
+            await asyncio.sleep(0)
+        for task in rng.sample(tasks, 10):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert budget.snapshot()["active"] == 0
+        assert budget.snapshot()["waiting"] == 0
+    assert peak <= 3
+
+
+# -- wrap ------------------------------------------------------------------------------------
+
+
+class FakeProvider:
+    """A stand-in model provider: streams ``items`` and records how the stream ended."""
+
+    name = "fake"
+
+    def __init__(
+        self, items: list[str], *, fail_after: int | None = None, gate: asyncio.Event | None = None
+    ) -> None:
+        self.items = items
+        self.fail_after = fail_after
+        self.gate = gate
+        self.closed_streams = 0
+        self.requests: list[Any] = []
+
+    async def stream(self, request: Any) -> AsyncIterator[str]:
+        self.requests.append(request)
+        try:
+            for index, item in enumerate(self.items):
+                if self.fail_after is not None and index == self.fail_after:
+                    raise ConnectionError("upstream reset")
+                if self.gate is not None:
+                    await self.gate.wait()
+                yield item
+        finally:
+            self.closed_streams += 1
+
+    async def probe_capabilities(self) -> dict[str, bool]:
+        return {"tools": True}
+
+    def capabilities(self) -> dict[str, bool]:
+        return {"tools": True}
+
+
+async def test_it_holds_one_slot_for_the_whole_stream_and_returns_it_at_the_end() -> None:
+    budget = ModelConcurrencyBudget(1)
+    bounded = budget.wrap(FakeProvider(["a", "b", "c"]))
+    seen: list[tuple[str, int]] = []
+    async for item in bounded.stream({"prompt": "hi"}):
+        seen.append((item, budget.active))
+    assert seen == [("a", 1), ("b", 1), ("c", 1)]
+    assert budget.snapshot()["active"] == 0
+
+
+async def test_it_returns_the_slot_when_the_stream_fails() -> None:
+    budget = ModelConcurrencyBudget(1)
+    provider = FakeProvider(["a", "b"], fail_after=1)
+    with pytest.raises(ConnectionError):
+        async for _item in budget.wrap(provider).stream({}):
+            pass
+    assert budget.snapshot()["active"] == 0
+    assert provider.closed_streams == 1
+
+
+async def test_it_returns_the_slot_when_the_consumer_closes_the_stream_early() -> None:
+    budget = ModelConcurrencyBudget(1)
+    provider = FakeProvider(["a", "b", "c"])
+    stream = budget.wrap(provider).stream({})
+    assert await anext(stream) == "a"
+    assert budget.active == 1
+    await stream.aclose()
+    assert budget.snapshot()["active"] == 0
+    assert provider.closed_streams == 1
+
+
+async def test_it_returns_the_slot_when_the_streaming_task_is_cancelled() -> None:
+    budget = ModelConcurrencyBudget(1)
+    gate = asyncio.Event()
+    provider = FakeProvider(["a"], gate=gate)
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        stream = budget.wrap(provider).stream({})
+        started.set()
+        async for _item in stream:
+            pass
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    await until(lambda: budget.active == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert budget.snapshot()["active"] == 0
+    assert provider.closed_streams == 1
+
+
+async def test_it_sends_no_upstream_request_when_the_queue_is_full() -> None:
+    budget = ModelConcurrencyBudget(1, max_waiting=0)
+    provider = FakeProvider(["a"])
+    async with budget.lease():
+        with pytest.raises(SageError) as caught:
+            async for _item in budget.wrap(provider).stream({"n": 1}):
+                pass
+    assert caught.value.code == "model.queue_full"
+    assert provider.requests == []
+
+
+async def test_it_forwards_other_attributes_to_the_wrapped_provider() -> None:
+    budget = ModelConcurrencyBudget(1)
+    provider = FakeProvider([])
+    bounded = budget.wrap(provider)
+    assert isinstance(bounded, BoundedModelProvider)
+    assert bounded.name == "fake"
+    assert bounded.capabilities() == {"tools": True}
+    assert bounded.wrapped is provider
+    with pytest.raises(AttributeError):
+        _ = bounded.no_such_attribute
+
+
+async def test_it_bounds_probe_capabilities() -> None:
+    budget = ModelConcurrencyBudget(1, max_waiting=0)
+    bounded = budget.wrap(FakeProvider([]))
+    assert await bounded.probe_capabilities() == {"tools": True}
+    async with budget.lease():
+        with pytest.raises(SageError):
+            await bounded.probe_capabilities()
+
+
+def test_it_wraps_idempotently_for_the_same_budget() -> None:
+    budget = ModelConcurrencyBudget(1)
+    other = ModelConcurrencyBudget(1)
+    bounded = budget.wrap(FakeProvider([]))
+    assert budget.wrap(bounded) is bounded
+    assert other.wrap(bounded) is not bounded
+
+
+def test_it_copies_a_wrapped_provider_without_recursing() -> None:
+    import copy
+
+    budget = ModelConcurrencyBudget(1)
+    bounded = budget.wrap(FakeProvider(["a"]))
+    duplicate = copy.copy(bounded)
+    assert duplicate.budget is budget
+    assert duplicate.wrapped is bounded.wrapped
