@@ -42,8 +42,18 @@ class ManagedAgentRecordAdmin(admin.ModelAdmin):
     list_display = ["run", "owner", "package_name", "agent_id", "status", "archived_at"]
     list_filter = ["status", "package_name"]
     search_fields = ["run__id", "owner__username", "package_name", "agent_id"]
-    readonly_fields = ["run", "owner", "package_ref", "package_name", "agent_id", "status",
-                       "result", "error", "flow_outputs", "archived_at"]
+    readonly_fields = [
+        "run",
+        "owner",
+        "package_ref",
+        "package_name",
+        "agent_id",
+        "status",
+        "result",
+        "error",
+        "flow_outputs",
+        "archived_at",
+    ]
 
     def has_add_permission(self, request, obj=None) -> bool:
         return False
@@ -54,20 +64,48 @@ class ManagedAgentRecordAdmin(admin.ModelAdmin):
 
 @admin.register(ReclamationRequest)
 class ReclamationRequestAdmin(admin.ModelAdmin):
-    list_display = ["id", "scope", "min_idle_seconds", "limit", "status", "requested_by",
-                    "created_at", "finished_at"]
+    list_display = [
+        "id",
+        "scope",
+        "min_idle_seconds",
+        "limit",
+        "status",
+        "requested_by",
+        "created_at",
+        "finished_at",
+    ]
     list_filter = ["status", "scope"]
     readonly_fields = ["status", "outcome", "requested_by", "created_at", "finished_at"]
 
 
 @admin.register(JobRecord)
 class JobRecordAdmin(admin.ModelAdmin):
-    list_display = ["job_id", "kind", "state", "run", "owner", "output_bytes", "output_truncated",
-                    "created_at"]
+    list_display = [
+        "job_id",
+        "kind",
+        "state",
+        "run",
+        "owner",
+        "output_bytes",
+        "output_truncated",
+        "created_at",
+    ]
     list_filter = ["state", "kind", "output_truncated"]
     search_fields = ["job_id", "run__id", "owner__username"]
-    readonly_fields = ["job_id", "run", "owner", "kind", "state", "output_bytes", "output_chunks",
-                       "output_truncated", "error", "cancel_requested", "created_at", "updated_at"]
+    readonly_fields = [
+        "job_id",
+        "run",
+        "owner",
+        "kind",
+        "state",
+        "output_bytes",
+        "output_chunks",
+        "output_truncated",
+        "error",
+        "cancel_requested",
+        "created_at",
+        "updated_at",
+    ]
 
     def has_add_permission(self, request, obj=None) -> bool:
         return False

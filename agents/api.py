@@ -18,7 +18,7 @@ from rest_framework.reverse import reverse
 from rest_framework.views import APIView
 
 from agents import services
-from agents.models import AgentPackage, ManagedAgentRecord
+from agents.models import ManagedAgentRecord
 from sageproject.api import StrictFieldsMixin
 from sageproject.errors import NotFoundError
 from scheduling.models import Event, Run, Session, SessionKind, WorkerSnapshot
@@ -28,16 +28,6 @@ EVENTS_MAX_LIMIT = 200
 
 
 # --- serializers ---------------------------------------------------------------------
-
-class PackageCreateSerializer(StrictFieldsMixin, serializers.Serializer):
-    manifest = serializers.JSONField(help_text="The package manifest (DESIGN §4).")
-    activate = serializers.BooleanField(default=True)
-
-
-class PackageSerializer(serializers.ModelSerializer):
-    class Meta:
-        model = AgentPackage
-        fields = ["id", "name", "version", "ref", "active", "manifest", "files", "created_at"]
 
 
 class SessionCreateSerializer(StrictFieldsMixin, serializers.Serializer):
@@ -54,8 +44,19 @@ class SessionSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Session
-        fields = ["id", "package", "package_name", "agent", "kind", "title", "events",
-                  "fork_of", "fork_seq", "created_at", "updated_at"]
+        fields = [
+            "id",
+            "package",
+            "package_name",
+            "agent",
+            "kind",
+            "title",
+            "events",
+            "fork_of",
+            "fork_seq",
+            "created_at",
+            "updated_at",
+        ]
 
 
 class EventSerializer(serializers.Serializer):
@@ -77,9 +78,23 @@ class RunSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Run
-        fields = ["id", "session", "status", "queue", "priority", "input", "result", "error",
-                  "interaction", "attempts", "cancel_requested", "parent", "created_at",
-                  "started_at", "finished_at"]
+        fields = [
+            "id",
+            "session",
+            "status",
+            "queue",
+            "priority",
+            "input",
+            "result",
+            "error",
+            "interaction",
+            "attempts",
+            "cancel_requested",
+            "parent",
+            "created_at",
+            "started_at",
+            "finished_at",
+        ]
 
 
 class ArchiveSerializer(serializers.ModelSerializer):
@@ -87,35 +102,28 @@ class ArchiveSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = ManagedAgentRecord
-        fields = ["run", "status", "result", "error", "flow_outputs", "package_ref",
-                  "package_name", "agent_id", "archived_at"]
+        fields = [
+            "run",
+            "status",
+            "result",
+            "error",
+            "flow_outputs",
+            "package_ref",
+            "package_name",
+            "agent_id",
+            "archived_at",
+        ]
 
 
 # --- views -----------------------------------------------------------------------------
 
-class PackageViewSet(mixins.CreateModelMixin, mixins.ListModelMixin,
-                     mixins.RetrieveModelMixin, viewsets.GenericViewSet):
-    """Agent packages you own. A version is immutable; saving it again is a no-op."""
 
-    serializer_class = PackageSerializer
-
-    def get_queryset(self):
-        return services.scoped(AgentPackage.objects.all(), self.request.user)
-
-    @extend_schema(request=PackageCreateSerializer, responses={201: PackageSerializer})
-    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        data = PackageCreateSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        package, created = services.package_create(
-            owner=request.user, manifest=data.validated_data["manifest"],
-            activate=data.validated_data["activate"],
-        )
-        body = {**PackageSerializer(package).data, "reused": not created}
-        return Response(body, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
-
-
-class SessionViewSet(mixins.CreateModelMixin, mixins.ListModelMixin,
-                     mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class SessionViewSet(
+    mixins.CreateModelMixin,
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    viewsets.GenericViewSet,
+):
     """Conversations with one agent of a package."""
 
     serializer_class = SessionSerializer
@@ -133,8 +141,9 @@ class SessionViewSet(mixins.CreateModelMixin, mixins.ListModelMixin,
     @extend_schema(
         parameters=[
             OpenApiParameter("after", int, description="Only events with seq > after."),
-            OpenApiParameter("limit", int, description=f"1..{EVENTS_MAX_LIMIT}, "
-                             f"default {EVENTS_DEFAULT_LIMIT}."),
+            OpenApiParameter(
+                "limit", int, description=f"1..{EVENTS_MAX_LIMIT}, default {EVENTS_DEFAULT_LIMIT}."
+            ),
         ],
         responses={200: EventSerializer(many=True)},
     )
@@ -143,8 +152,9 @@ class SessionViewSet(mixins.CreateModelMixin, mixins.ListModelMixin,
         """Durable events in seq order, paged by ``after`` and ``limit``."""
         session = self.get_object()
         after = _int_param(request, "after", 0, minimum=0)
-        limit = _int_param(request, "limit", EVENTS_DEFAULT_LIMIT, minimum=1,
-                           maximum=EVENTS_MAX_LIMIT)
+        limit = _int_param(
+            request, "limit", EVENTS_DEFAULT_LIMIT, minimum=1, maximum=EVENTS_MAX_LIMIT
+        )
         rows = list(
             Event.objects.filter(session=session, seq__gt=after).order_by("seq")[: limit + 1]
         )
@@ -157,8 +167,9 @@ class SessionViewSet(mixins.CreateModelMixin, mixins.ListModelMixin,
         return Response({"results": EventSerializer(rows, many=True).data, "next": next_url})
 
 
-def _int_param(request: Request, name: str, default: int, *, minimum: int,
-               maximum: int | None = None) -> int:
+def _int_param(
+    request: Request, name: str, default: int, *, minimum: int, maximum: int | None = None
+) -> int:
     raw = request.query_params.get(name)
     if raw in (None, ""):
         return default
@@ -189,8 +200,14 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
 
     @extend_schema(
         request=RunSubmitSerializer,
-        parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER,
-                                     description="Repeat a submit safely: same key, same run.")],
+        parameters=[
+            OpenApiParameter(
+                "Idempotency-Key",
+                str,
+                OpenApiParameter.HEADER,
+                description="Repeat a submit safely: same key, same run.",
+            )
+        ],
         responses={202: RunSerializer},
     )
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
@@ -200,8 +217,10 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         if key is not None and len(key) > 200:
             raise serializers.ValidationError({"Idempotency-Key": ["at most 200 characters"]})
         run, created = services.run_submit(
-            owner=request.user, session_id=data.validated_data["session"],
-            input=data.validated_data["input"], idempotency_key=key,
+            owner=request.user,
+            session_id=data.validated_data["session"],
+            input=data.validated_data["input"],
+            idempotency_key=key,
             priority=data.validated_data["priority"],
         )
         code = status.HTTP_202_ACCEPTED if created else status.HTTP_200_OK
@@ -242,13 +261,18 @@ class CapacityView(APIView):
     @extend_schema(responses={200: dict})
     def get(self, request: Request) -> Response:
         snapshots = WorkerSnapshot.objects.filter(stopped_at__isnull=True)[:20]
-        return Response({
-            "workers": [
-                {"worker_id": s.worker_id, "host": s.host, "pid": s.pid,
-                 "started_at": s.started_at, "heartbeat_at": s.heartbeat_at,
-                 "capacity": s.capacity}
-                for s in snapshots
-            ],
-        })
-
-
+        return Response(
+            {
+                "workers": [
+                    {
+                        "worker_id": s.worker_id,
+                        "host": s.host,
+                        "pid": s.pid,
+                        "started_at": s.started_at,
+                        "heartbeat_at": s.heartbeat_at,
+                        "capacity": s.capacity,
+                    }
+                    for s in snapshots
+                ],
+            }
+        )

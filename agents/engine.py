@@ -60,20 +60,27 @@ def history_from_events(events: Iterable[tuple[str, Mapping[str, Any]]]) -> list
     messages: list[dict[str, Any]] = []
     for etype, payload in events:
         if etype == MESSAGE_COMPLETED:
-            message = {"role": payload.get("role", "assistant"), "content": payload.get("content", "")}
+            message = {
+                "role": payload.get("role", "assistant"),
+                "content": payload.get("content", ""),
+            }
             if payload.get("tool_calls"):
                 message["tool_calls"] = list(payload["tool_calls"])
             messages.append(message)
         elif etype in (TOOL_SUCCEEDED, TOOL_FAILED):
-            content = payload.get("output") if etype == TOOL_SUCCEEDED else (
-                f"error: {payload.get('error', 'tool failed')}"
+            content = (
+                payload.get("output")
+                if etype == TOOL_SUCCEEDED
+                else (f"error: {payload.get('error', 'tool failed')}")
             )
-            messages.append({
-                "role": "tool",
-                "tool_call_id": payload.get("id", ""),
-                "name": payload.get("name", ""),
-                "content": str(content),
-            })
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": payload.get("id", ""),
+                    "name": payload.get("name", ""),
+                    "content": str(content),
+                }
+            )
     return messages
 
 
@@ -149,7 +156,9 @@ async def run_turn(
         for call in calls:
             ok, output = await _call_tool(tools_by_name.get(call.name), call, ctx)
             if ok:
-                results.append((TOOL_SUCCEEDED, {"id": call.id, "name": call.name, "output": output}))
+                results.append(
+                    (TOOL_SUCCEEDED, {"id": call.id, "name": call.name, "output": output})
+                )
                 content = output
             else:
                 results.append((TOOL_FAILED, {"id": call.id, "name": call.name, "error": output}))

@@ -132,8 +132,8 @@ class RunExecutor:
             tool = self.tools.get(name)
             if tool is not None:
                 tools.append(tool)
-        rows = Event.objects.filter(session_id=session.pk).order_by("seq").values_list(
-            "type", "data"
+        rows = (
+            Event.objects.filter(session_id=session.pk).order_by("seq").values_list("type", "data")
         )
         import orjson
 
@@ -156,8 +156,11 @@ class RunExecutor:
                 options=dict(record.options or {}),
             ),
             record=ModelRecordView(
-                id=record.pk, protocol=record.protocol, base_url=record.base_url,
-                model=record.model or record.name, api_key=record.api_key,
+                id=record.pk,
+                protocol=record.protocol,
+                base_url=record.base_url,
+                model=record.model or record.name,
+                api_key=record.api_key,
                 options=dict(record.options or {}),
             ),
             first_attempt=not Event.objects.filter(run_id=run.pk, type="run.started").exists(),
@@ -201,7 +204,8 @@ class RunExecutor:
             start.append(("message.completed", {"role": "user", "content": prepared.user_input}))
             history.append({"role": "user", "content": prepared.user_input})
         ctx = ToolContext(
-            owner_id=prepared.owner_id, session_id=str(prepared.session_id),
+            owner_id=prepared.owner_id,
+            session_id=str(prepared.session_id),
             run_id=str(prepared.run_id),
         )
         try:
@@ -217,27 +221,42 @@ class RunExecutor:
             )
         except asyncio.CancelledError:
             if stop.reason == "cancelled":
-                error = {"code": "run.cancelled", "category": str(ErrorCategory.CANCELLED),
-                         "message": "the run was cancelled", "retryable": False,
-                         "resumable": False}
+                error = {
+                    "code": "run.cancelled",
+                    "category": str(ErrorCategory.CANCELLED),
+                    "message": "the run was cancelled",
+                    "retryable": False,
+                    "resumable": False,
+                }
                 return await self._finish(run_id, fence, RunStatus.CANCELLED, None, error, prepared)
             raise
         except SageError as exc:
             if exc.code == "scheduler.fence_rejected":
                 logger.warning("run %s lost its lease; its writes stop here", run_id)
                 return "lease_lost"
-            return await self._finish(run_id, fence, RunStatus.FAILED, None, error_dict(exc), prepared)
+            return await self._finish(
+                run_id, fence, RunStatus.FAILED, None, error_dict(exc), prepared
+            )
         except Exception as exc:
             logger.exception("run %s failed with an unexpected error", run_id)
-            error = {"code": "execution.internal", "category": str(ErrorCategory.INTERNAL),
-                     "message": f"internal error: {type(exc).__name__}", "retryable": False,
-                     "resumable": False}
+            error = {
+                "code": "execution.internal",
+                "category": str(ErrorCategory.INTERNAL),
+                "message": f"internal error: {type(exc).__name__}",
+                "retryable": False,
+                "resumable": False,
+            }
             return await self._finish(run_id, fence, RunStatus.FAILED, None, error, prepared)
         result = {"text": outcome.text, "steps": outcome.steps, "usage": outcome.usage}
         return await self._finish(run_id, fence, RunStatus.COMPLETED, result, None, prepared)
 
     async def _finish(
-        self, run_id: Any, fence: Fence, status: str, result: Any, error: Any,
+        self,
+        run_id: Any,
+        fence: Fence,
+        status: str,
+        result: Any,
+        error: Any,
         prepared: PreparedRun | None,
     ) -> str:
         """Terminal event, then terminal status and archive, both fenced.
@@ -248,10 +267,14 @@ class RunExecutor:
         payload = {"result": result} if result is not None else {"error": error}
         try:
             if prepared is not None:
-                await asyncio.shield(append_events(
-                    session_id=prepared.session_id, run_id=run_id,
-                    events=[(event_type, payload)], fence=fence,
-                ))
+                await asyncio.shield(
+                    append_events(
+                        session_id=prepared.session_id,
+                        run_id=run_id,
+                        events=[(event_type, payload)],
+                        fence=fence,
+                    )
+                )
             await asyncio.shield(
                 db_call(finish_run_sync, fence=fence, status=status, result=result, error=error)
             )
@@ -275,7 +298,12 @@ def finish_run_sync(*, fence: Fence, status: str, result: Any, error: Any) -> No
     with transaction.atomic():
         check_fence(fence)
         Run.objects.filter(pk=fence.run_id).update(
-            status=status, result=result, error=error, finished_at=timezone.now(),
-            lease_owner="", lease_expires_at=None, interaction=None,
+            status=status,
+            result=result,
+            error=error,
+            finished_at=timezone.now(),
+            lease_owner="",
+            lease_expires_at=None,
+            interaction=None,
         )
         archive_terminal(Run.objects.select_related("session").get(pk=fence.run_id))

@@ -13,78 +13,19 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from agents.manifest import Manifest, parse_manifest
-from agents.models import AgentPackage, ManagedAgentRecord
+from agents.models import ManagedAgentRecord
+from agents.packages import package_resolve
 from sageproject.errors import (
-    ConflictError,
     NotFoundError,
     RateLimitedError,
-    SageError,
     ValidationError,
 )
 from scheduling.models import Run, RunQueue, RunStatus, Session, SessionKind
 
 
-def _split(manifest: Manifest) -> tuple[dict[str, Any], dict[str, str]]:
-    data = manifest.data
-    files = data.pop("files", {})
-    return data, files
-
-
-def package_create(*, owner, manifest: dict[str, Any] | str | bytes, activate: bool = True,
-                   yaml_ok: bool = False) -> tuple[AgentPackage, bool]:
-    """Save a package version; returns (package, created).
-
-    The same version with the same content answers the existing row (``created`` False);
-    the same version with other content raises ``package.version_conflict`` (409).
-    Raises ``package.invalid`` (400) for a manifest that does not validate.
-    """
-    parsed = parse_manifest(manifest, yaml_ok=yaml_ok)
-    data, files = _split(parsed)
-    existing = AgentPackage.objects.filter(
-        owner=owner, name=parsed.name, version=parsed.version
-    ).first()
-    if existing is not None:
-        if existing.ref != parsed.ref:
-            raise ConflictError(
-                "package.version_conflict",
-                f"{parsed.name}@{parsed.version} exists with other content; versions are "
-                "immutable, publish a new version",
-                details={"name": parsed.name, "version": parsed.version, "ref": existing.ref},
-            )
-        return existing, False
-    try:
-        with transaction.atomic():
-            package = AgentPackage.objects.create(
-                owner=owner, name=parsed.name, version=parsed.version, ref=parsed.ref,
-                manifest=data, files=files, active=False,
-            )
-            if activate and not AgentPackage.objects.filter(
-                owner=owner, name=parsed.name, active=True
-            ).exists():
-                AgentPackage.objects.filter(pk=package.pk).update(active=True)
-                package.active = True
-    except IntegrityError:
-        # A concurrent save of the same version won the race: answer as a repeat.
-        return package_create(owner=owner, manifest=manifest, activate=activate, yaml_ok=yaml_ok)
-    return package, True
-
-
-def package_resolve(*, owner, name_or_ref: str) -> AgentPackage:
-    """The owner's active version of a package name, or the version with that ref."""
-    packages = AgentPackage.objects.filter(owner=owner)
-    package = (
-        packages.filter(ref=name_or_ref).first()
-        or packages.filter(name=name_or_ref, active=True).first()
-        or packages.filter(name=name_or_ref).order_by("-created_at").first()
-    )
-    if package is None:
-        raise NotFoundError("package.not_found", f"no package {name_or_ref!r}")
-    return package
-
-
-def session_create(*, owner, package: str, agent: str, kind: str = SessionKind.MASTER,
-                   title: str = "") -> Session:
+def session_create(
+    *, owner, package: str, agent: str, kind: str = SessionKind.MASTER, title: str = ""
+) -> Session:
     """Open a session on the owner's package and one of its agents."""
     pkg = package_resolve(owner=owner, name_or_ref=package)
     if agent not in (pkg.manifest.get("agents") or {}):
@@ -94,7 +35,11 @@ def session_create(*, owner, package: str, agent: str, kind: str = SessionKind.M
             details={"fields": {"agent": [f"unknown agent {agent!r}"]}},
         )
     return Session.objects.create(
-        owner=owner, package_ref=pkg.ref, package_name=pkg.name, agent_id=agent, kind=kind,
+        owner=owner,
+        package_ref=pkg.ref,
+        package_name=pkg.name,
+        agent_id=agent,
+        kind=kind,
         title=title,
     )
 
@@ -108,8 +53,15 @@ def queue_full_error(limit: int) -> RateLimitedError:
     )
 
 
-def run_submit(*, owner, session_id: Any, input: Any, idempotency_key: str | None = None,
-               queue: str = RunQueue.CHAT, priority: int = 0) -> tuple[Run, bool]:
+def run_submit(
+    *,
+    owner,
+    session_id: Any,
+    input: Any,
+    idempotency_key: str | None = None,
+    queue: str = RunQueue.CHAT,
+    priority: int = 0,
+) -> tuple[Run, bool]:
     """Admit a run (queued); returns (run, created).
 
     A repeated ``idempotency_key`` answers the run it created first. Raises
@@ -128,8 +80,12 @@ def run_submit(*, owner, session_id: Any, input: Any, idempotency_key: str | Non
     try:
         with transaction.atomic():
             run = Run.objects.create(
-                session=session, owner=owner, input=input, idempotency_key=idempotency_key or None,
-                queue=queue, priority=priority,
+                session=session,
+                owner=owner,
+                input=input,
+                idempotency_key=idempotency_key or None,
+                queue=queue,
+                priority=priority,
             )
     except IntegrityError:
         existing = Run.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
@@ -140,8 +96,13 @@ def run_submit(*, owner, session_id: Any, input: Any, idempotency_key: str | Non
 
 
 def _cancel_error() -> dict[str, Any]:
-    return {"code": "run.cancelled", "category": "CANCELLED", "message": "the run was cancelled",
-            "retryable": False, "resumable": False}
+    return {
+        "code": "run.cancelled",
+        "category": "CANCELLED",
+        "message": "the run was cancelled",
+        "retryable": False,
+        "resumable": False,
+    }
 
 
 def run_cancel(*, run: Run) -> Run:
@@ -153,8 +114,13 @@ def run_cancel(*, run: Run) -> Run:
         now = timezone.now()
         stopped = Run.objects.filter(
             pk=run.pk, status__in=[RunStatus.QUEUED, RunStatus.SUSPENDED]
-        ).update(status=RunStatus.CANCELLED, cancel_requested=True, finished_at=now,
-                 error=_cancel_error(), interaction=None)
+        ).update(
+            status=RunStatus.CANCELLED,
+            cancel_requested=True,
+            finished_at=now,
+            error=_cancel_error(),
+            interaction=None,
+        )
         if stopped:
             # No event here: the worker's store owns the session's sequence. The run's
             # status and its archive say it was cancelled.
@@ -171,9 +137,13 @@ def archive_terminal(run: Run) -> ManagedAgentRecord:
     record, _ = ManagedAgentRecord.objects.update_or_create(
         run=run,
         defaults={
-            "owner_id": run.owner_id, "package_ref": session.package_ref,
-            "package_name": session.package_name, "agent_id": session.agent_id,
-            "status": run.status, "result": run.result, "error": run.error,
+            "owner_id": run.owner_id,
+            "package_ref": session.package_ref,
+            "package_name": session.package_name,
+            "agent_id": session.agent_id,
+            "status": run.status,
+            "result": run.result,
+            "error": run.error,
         },
     )
     return record
@@ -199,9 +169,3 @@ def scoped(queryset, user, field: str = "owner"):
 
 def shared_or_own(queryset, user):
     return queryset.filter(Q(owner=user) | Q(owner__isnull=True))
-
-
-__all__ = [
-    "SageError", "archive_read", "archive_terminal", "package_create", "package_resolve",
-    "run_cancel", "run_submit", "session_create",
-]

@@ -186,7 +186,7 @@ class ToolRegistry:
         """Register every tool of ``dotted.TOOLS``; a failure is recorded, not raised."""
         try:
             module = importlib.import_module(dotted)
-            for tool in getattr(module, "TOOLS"):
+            for tool in module.TOOLS:
                 self.register(tool)
         except Exception as exc:  # a broken plugin must not stop the host
             self.discovery_errors[dotted] = f"{type(exc).__name__}: {exc}"

@@ -9,7 +9,8 @@ from pooling.models import ModelRecord
 class ModelRecordForm(forms.ModelForm):
     # Write-only: the stored secret is never rendered back into the page.
     api_key = forms.CharField(
-        required=False, widget=forms.PasswordInput(render_value=False),
+        required=False,
+        widget=forms.PasswordInput(render_value=False),
         help_text="Leave empty to keep the stored credentials. Never shown again once saved.",
     )
     clear_api_key = forms.BooleanField(required=False, help_text="Remove the stored credentials.")
@@ -36,8 +37,19 @@ class ModelRecordAdmin(admin.ModelAdmin):
     list_filter = ["protocol", ("owner", admin.EmptyFieldListFilter)]
     search_fields = ["name", "model", "base_url", "owner__username"]
     readonly_fields = ["credentials", "created_at", "updated_at"]
-    fields = ["owner", "name", "protocol", "base_url", "model", "options", "api_key",
-              "clear_api_key", "credentials", "created_at", "updated_at"]
+    fields = [
+        "owner",
+        "name",
+        "protocol",
+        "base_url",
+        "model",
+        "options",
+        "api_key",
+        "clear_api_key",
+        "credentials",
+        "created_at",
+        "updated_at",
+    ]
 
     @admin.display(description="credentials")
     def credentials(self, obj: ModelRecord) -> str:

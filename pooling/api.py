@@ -10,15 +10,31 @@ from sageproject.api import StrictFieldsMixin
 
 
 class ModelRecordSerializer(StrictFieldsMixin, serializers.ModelSerializer):
-    api_key = serializers.CharField(write_only=True, required=False, allow_blank=True,
-                                    style={"input_type": "password"}, max_length=4096)
+    api_key = serializers.CharField(
+        write_only=True,
+        required=False,
+        allow_blank=True,
+        style={"input_type": "password"},
+        max_length=4096,
+    )
     has_credentials = serializers.BooleanField(read_only=True)
     shared = serializers.SerializerMethodField()
 
     class Meta:
         model = ModelRecord
-        fields = ["id", "name", "protocol", "base_url", "model", "options", "api_key",
-                  "has_credentials", "shared", "created_at", "updated_at"]
+        fields = [
+            "id",
+            "name",
+            "protocol",
+            "base_url",
+            "model",
+            "options",
+            "api_key",
+            "has_credentials",
+            "shared",
+            "created_at",
+            "updated_at",
+        ]
         read_only_fields = ["id", "has_credentials", "shared", "created_at", "updated_at"]
 
     def get_shared(self, obj: ModelRecord) -> bool:

@@ -19,7 +19,10 @@ class ModelRecord(models.Model):
     """A model a package's agents may name; owner null = shared with every user."""
 
     owner = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE,
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
         related_name="model_records",
     )
     name = models.CharField(max_length=100)
@@ -36,7 +39,8 @@ class ModelRecord(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["owner", "name"], name="model_record_owner_name"),
             models.UniqueConstraint(
-                fields=["name"], condition=models.Q(owner__isnull=True),
+                fields=["name"],
+                condition=models.Q(owner__isnull=True),
                 name="model_record_shared_name",
             ),
         ]

@@ -60,22 +60,32 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if isinstance(exc, SageError):
         return sage_error_response(exc)
     if isinstance(exc, RequestDataTooBig):
-        body = envelope("request.too_large", "request body is larger than this host accepts",
-                        category=ErrorCategory.VALIDATION,
-                        details={"max_bytes": settings.DATA_UPLOAD_MAX_MEMORY_SIZE})
+        body = envelope(
+            "request.too_large",
+            "request body is larger than this host accepts",
+            category=ErrorCategory.VALIDATION,
+            details={"max_bytes": settings.DATA_UPLOAD_MAX_MEMORY_SIZE},
+        )
         return Response(body, status=http.HTTP_413_REQUEST_ENTITY_TOO_LARGE)
     if isinstance(exc, Http404):
         exc = drf_exceptions.NotFound()
     elif isinstance(exc, PermissionDenied):
         exc = drf_exceptions.PermissionDenied()
     if isinstance(exc, drf_exceptions.ParseError):
-        body = envelope("request.malformed", f"malformed request body: {exc.detail}",
-                        category=ErrorCategory.VALIDATION)
+        body = envelope(
+            "request.malformed",
+            f"malformed request body: {exc.detail}",
+            category=ErrorCategory.VALIDATION,
+        )
         return Response(body, status=http.HTTP_400_BAD_REQUEST)
     if isinstance(exc, drf_exceptions.ValidationError):
         fields = _flatten(exc.detail)
-        body = envelope("request.invalid", _summary(fields), category=ErrorCategory.VALIDATION,
-                        details={"fields": fields})
+        body = envelope(
+            "request.invalid",
+            _summary(fields),
+            category=ErrorCategory.VALIDATION,
+            details={"fields": fields},
+        )
         return Response(body, status=http.HTTP_400_BAD_REQUEST)
     if isinstance(exc, drf_exceptions.NotAuthenticated | drf_exceptions.AuthenticationFailed):
         body = envelope("auth.required", str(exc.detail), category=ErrorCategory.AUTHENTICATION)
@@ -89,16 +99,22 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         body = envelope("not_found", "not found", category=ErrorCategory.NOT_FOUND)
         return Response(body, status=http.HTTP_404_NOT_FOUND)
     if isinstance(exc, drf_exceptions.MethodNotAllowed):
-        body = envelope("request.method_not_allowed", str(exc.detail),
-                        category=ErrorCategory.VALIDATION)
+        body = envelope(
+            "request.method_not_allowed", str(exc.detail), category=ErrorCategory.VALIDATION
+        )
         return Response(body, status=http.HTTP_405_METHOD_NOT_ALLOWED)
     if isinstance(exc, drf_exceptions.UnsupportedMediaType):
-        body = envelope("request.unsupported_media_type", str(exc.detail),
-                        category=ErrorCategory.VALIDATION)
+        body = envelope(
+            "request.unsupported_media_type", str(exc.detail), category=ErrorCategory.VALIDATION
+        )
         return Response(body, status=http.HTTP_415_UNSUPPORTED_MEDIA_TYPE)
     if isinstance(exc, drf_exceptions.Throttled):
-        body = envelope("request.throttled", str(exc.detail), category=ErrorCategory.RATE_LIMITED,
-                        retryable=True)
+        body = envelope(
+            "request.throttled",
+            str(exc.detail),
+            category=ErrorCategory.RATE_LIMITED,
+            retryable=True,
+        )
         response = Response(body, status=http.HTTP_429_TOO_MANY_REQUESTS)
         response["Retry-After"] = str(int(exc.wait or 1))
         return response

@@ -4,11 +4,12 @@ from django.urls import path
 from rest_framework.routers import DefaultRouter
 
 from agents import api as agents_api
+from agents import api_packages
 from pooling import api as pooling_api
 
 router = DefaultRouter()
 router.register("model-records", pooling_api.ModelRecordViewSet, basename="modelrecord")
-router.register("packages", agents_api.PackageViewSet, basename="package")
+router.register("packages", api_packages.PackageViewSet, basename="package")
 router.register("sessions", agents_api.SessionViewSet, basename="session")
 router.register("runs", agents_api.RunViewSet, basename="run")
 router.register("archives", agents_api.ArchiveViewSet, basename="archive")

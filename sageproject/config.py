@@ -30,36 +30,88 @@ class Limit:
 
 
 LIMITS: tuple[Limit, ...] = (
-    Limit(name="SAGE_SERVER_MAX_MODEL_CLIENTS", default=64, minimum=1,
-          meaning="model SDK client instances in the pool"),
-    Limit(name="SAGE_SERVER_MAX_CONCURRENT_RUNS", default=8, minimum=1,
-          meaning="executing root runs, all users"),
-    Limit(name="SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER", default=2, minimum=1,
-          meaning="executing root runs per user"),
-    Limit(name="SAGE_SERVER_MAX_PENDING_RUNS", default=1024, minimum=1,
-          meaning="queued runs, all users"),
-    Limit(name="SAGE_SERVER_MAX_MANAGED_APPLICATIONS", default=32, minimum=1,
-          meaning="resident Applications"),
-    Limit(name="SAGE_MAX_CONCURRENT_MODEL_CALLS", default=8, minimum=1,
-          meaning="model calls running at once"),
-    Limit(name="SAGE_MAX_WAITING_MODEL_CALLS", default=128, minimum=0,
-          meaning="model calls waiting for a slot"),
-    Limit(name="SAGE_MODEL_QUEUE_TIMEOUT_SECONDS", default=60, minimum=1,
-          meaning="seconds a model call may wait for a slot"),
-    Limit(name="SAGE_AUTO_RELEASE_IDLE_SECONDS", default=300, minimum=0, allow_none=True,
-          meaning="idle seconds before an Application may be released automatically"),
-    Limit(name="SAGE_LEASE_SECONDS", default=30, minimum=2,
-          meaning="run lease length"),
-    Limit(name="SAGE_HEARTBEAT_SECONDS", default=10, minimum=1,
-          meaning="run lease renewal period"),
-    Limit(name="SAGE_MAX_RUN_ATTEMPTS", default=3, minimum=1,
-          meaning="executions of one run before it is failed"),
-    Limit(name="SAGE_SHUTDOWN_GRACE_SECONDS", default=10, minimum=0,
-          meaning="seconds running runs get to finish on shutdown"),
-    Limit(name="SAGE_STORE_WRITERS", default=1, minimum=1, maximum=64,
-          meaning="database writer connections for event commits"),
-    Limit(name="SAGE_MAX_REQUEST_BYTES", default=1_048_576, minimum=1024,
-          meaning="largest accepted request body"),
+    Limit(
+        name="SAGE_SERVER_MAX_MODEL_CLIENTS",
+        default=64,
+        minimum=1,
+        meaning="model SDK client instances in the pool",
+    ),
+    Limit(
+        name="SAGE_SERVER_MAX_CONCURRENT_RUNS",
+        default=8,
+        minimum=1,
+        meaning="executing root runs, all users",
+    ),
+    Limit(
+        name="SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER",
+        default=2,
+        minimum=1,
+        meaning="executing root runs per user",
+    ),
+    Limit(
+        name="SAGE_SERVER_MAX_PENDING_RUNS",
+        default=1024,
+        minimum=1,
+        meaning="queued runs, all users",
+    ),
+    Limit(
+        name="SAGE_SERVER_MAX_MANAGED_APPLICATIONS",
+        default=32,
+        minimum=1,
+        meaning="resident Applications",
+    ),
+    Limit(
+        name="SAGE_MAX_CONCURRENT_MODEL_CALLS",
+        default=8,
+        minimum=1,
+        meaning="model calls running at once",
+    ),
+    Limit(
+        name="SAGE_MAX_WAITING_MODEL_CALLS",
+        default=128,
+        minimum=0,
+        meaning="model calls waiting for a slot",
+    ),
+    Limit(
+        name="SAGE_MODEL_QUEUE_TIMEOUT_SECONDS",
+        default=60,
+        minimum=1,
+        meaning="seconds a model call may wait for a slot",
+    ),
+    Limit(
+        name="SAGE_AUTO_RELEASE_IDLE_SECONDS",
+        default=300,
+        minimum=0,
+        allow_none=True,
+        meaning="idle seconds before an Application may be released automatically",
+    ),
+    Limit(name="SAGE_LEASE_SECONDS", default=30, minimum=2, meaning="run lease length"),
+    Limit(name="SAGE_HEARTBEAT_SECONDS", default=10, minimum=1, meaning="run lease renewal period"),
+    Limit(
+        name="SAGE_MAX_RUN_ATTEMPTS",
+        default=3,
+        minimum=1,
+        meaning="executions of one run before it is failed",
+    ),
+    Limit(
+        name="SAGE_SHUTDOWN_GRACE_SECONDS",
+        default=10,
+        minimum=0,
+        meaning="seconds running runs get to finish on shutdown",
+    ),
+    Limit(
+        name="SAGE_STORE_WRITERS",
+        default=1,
+        minimum=1,
+        maximum=64,
+        meaning="database writer connections for event commits",
+    ),
+    Limit(
+        name="SAGE_MAX_REQUEST_BYTES",
+        default=1_048_576,
+        minimum=1024,
+        meaning="largest accepted request body",
+    ),
 )
 
 BOOLEANS: dict[str, bool] = {
@@ -111,7 +163,7 @@ def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
     scheme = parts.scheme.lower()
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     if scheme == "sqlite":
-        path = unquote(url[len("sqlite://"):]).split("?", 1)[0]
+        path = unquote(url[len("sqlite://") :]).split("?", 1)[0]
         if path.startswith("/") and not path.startswith("//"):
             path = path[1:] or "db.sqlite3"  # sqlite:///db.sqlite3 → relative file
         elif path.startswith("//"):
@@ -138,8 +190,9 @@ def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
             # real WAL concurrency with busy waits instead of table-lock errors.
             # One connection per thread for the process's life: reopening costs the PRAGMAs.
             "CONN_MAX_AGE": None,
-            "TEST": {"NAME": os.path.join(tempfile.gettempdir(),
-                                          f"sage-test-{os.getpid()}.sqlite3")},
+            "TEST": {
+                "NAME": os.path.join(tempfile.gettempdir(), f"sage-test-{os.getpid()}.sqlite3")
+            },
         }
     if scheme in {"postgres", "postgresql", "pgsql"}:
         options: dict[str, Any] = {}
@@ -199,13 +252,16 @@ def load(environ: Mapping[str, str] | None = None, *, base_dir: str = ".") -> Co
     lease = config.values["SAGE_LEASE_SECONDS"]
     if heartbeat and lease and heartbeat * 2 > lease:
         config.errors.append(
-            f"SAGE_HEARTBEAT_SECONDS ({heartbeat}) must be at most half of SAGE_LEASE_SECONDS ({lease})"
+            f"SAGE_HEARTBEAT_SECONDS ({heartbeat}) must be at most half of "
+            f"SAGE_LEASE_SECONDS ({lease})"
         )
-    if config.values["SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER"] > config.values[
-        "SAGE_SERVER_MAX_CONCURRENT_RUNS"
-    ]:
+    if (
+        config.values["SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER"]
+        > config.values["SAGE_SERVER_MAX_CONCURRENT_RUNS"]
+    ):
         config.errors.append(
-            "SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER must not exceed SAGE_SERVER_MAX_CONCURRENT_RUNS"
+            "SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER must not exceed "
+            "SAGE_SERVER_MAX_CONCURRENT_RUNS"
         )
     url = env.get("DATABASE_URL", "").strip() or "sqlite:///db.sqlite3"
     try:
@@ -215,7 +271,9 @@ def load(environ: Mapping[str, str] | None = None, *, base_dir: str = ".") -> Co
         config.database = parse_database_url("sqlite:///db.sqlite3", base_dir=base_dir)
     redis_url = env.get("REDIS_URL", "").strip() or None
     if redis_url and not redis_url.startswith(("redis://", "rediss://", "unix://")):
-        config.errors.append(f"REDIS_URL must start with redis://, rediss:// or unix:// (got {redis_url!r})")
+        config.errors.append(
+            f"REDIS_URL must start with redis://, rediss:// or unix:// (got {redis_url!r})"
+        )
         redis_url = None
     config.values["REDIS_URL"] = redis_url
     return config

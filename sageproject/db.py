@@ -19,13 +19,13 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
-def _call_and_release(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+def _call_and_release[T](fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     try:
         return fn(*args, **kwargs)
     finally:
         close_old_connections()
 
 
-async def db_call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+async def db_call[T](fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)`` in a worker thread and return its result."""
     return await sync_to_async(_call_and_release, thread_sensitive=False)(fn, *args, **kwargs)

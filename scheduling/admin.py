@@ -30,13 +30,32 @@ class RunInline(admin.TabularInline):
 
 @admin.register(Session)
 class SessionAdmin(admin.ModelAdmin):
-    list_display = ["id", "owner", "package_name", "agent_id", "kind", "persisted_events",
-                    "events_link", "created_at"]
+    list_display = [
+        "id",
+        "owner",
+        "package_name",
+        "agent_id",
+        "kind",
+        "persisted_events",
+        "events_link",
+        "created_at",
+    ]
     list_filter = ["kind", "package_name"]
     search_fields = ["id", "owner__username", "package_name", "agent_id", "title"]
-    readonly_fields = ["id", "owner", "package_ref", "package_name", "agent_id", "kind",
-                       "fork_of", "fork_seq", "persisted_events", "created_at", "updated_at"]
-    fields = readonly_fields[:3] + ["title"] + readonly_fields[3:]
+    readonly_fields = [
+        "id",
+        "owner",
+        "package_ref",
+        "package_name",
+        "agent_id",
+        "kind",
+        "fork_of",
+        "fork_seq",
+        "persisted_events",
+        "created_at",
+        "updated_at",
+    ]
+    fields = [*readonly_fields[:3], "title", *readonly_fields[3:]]
     inlines = [RunInline]
     date_hierarchy = "created_at"
 
@@ -68,8 +87,19 @@ class EventAdmin(ReadOnlyAdmin):
 
 @admin.register(Run)
 class RunAdmin(admin.ModelAdmin):
-    list_display = ["id", "owner", "status", "queue", "priority", "attempts", "lease_owner",
-                    "lease_token", "lease_expires_at", "created_at", "finished_at"]
+    list_display = [
+        "id",
+        "owner",
+        "status",
+        "queue",
+        "priority",
+        "attempts",
+        "lease_owner",
+        "lease_token",
+        "lease_expires_at",
+        "created_at",
+        "finished_at",
+    ]
     list_filter = ["status", "queue", "cancel_requested"]
     search_fields = ["id", "owner__username", "session__id", "idempotency_key"]
     list_select_related = ["owner"]
@@ -95,5 +125,12 @@ class RunAdmin(admin.ModelAdmin):
 @admin.register(WorkerSnapshot)
 class WorkerSnapshotAdmin(ReadOnlyAdmin):
     list_display = ["worker_id", "host", "pid", "started_at", "heartbeat_at", "stopped_at"]
-    readonly_fields = ["worker_id", "host", "pid", "started_at", "heartbeat_at", "stopped_at",
-                       "capacity"]
+    readonly_fields = [
+        "worker_id",
+        "host",
+        "pid",
+        "started_at",
+        "heartbeat_at",
+        "stopped_at",
+        "capacity",
+    ]

@@ -52,23 +52,36 @@ def claim_next(*, worker_id: str, lease_seconds: int) -> tuple[Fence, Any] | Non
 def renew(fence: Fence, *, lease_seconds: int) -> tuple[bool, bool]:
     """Extend the lease; returns (still held, cancel requested)."""
     now = timezone.now()
-    held = Run.objects.filter(
-        pk=fence.run_id, lease_owner=fence.lease_owner, lease_token=fence.lease_token,
-        status=RunStatus.RUNNING,
-    ).update(lease_expires_at=now + timedelta(seconds=lease_seconds)) == 1
+    held = (
+        Run.objects.filter(
+            pk=fence.run_id,
+            lease_owner=fence.lease_owner,
+            lease_token=fence.lease_token,
+            status=RunStatus.RUNNING,
+        ).update(lease_expires_at=now + timedelta(seconds=lease_seconds))
+        == 1
+    )
     cancel = Run.objects.filter(pk=fence.run_id, cancel_requested=True).exists()
     return held, cancel
 
 
 def requeue(fence: Fence, *, reason: dict[str, Any] | None = None) -> bool:
     """Give a run back to the queue (shutdown); only while this lease still holds it."""
-    return Run.objects.filter(
-        pk=fence.run_id, lease_owner=fence.lease_owner, lease_token=fence.lease_token,
-        status=RunStatus.RUNNING,
-    ).update(
-        status=RunStatus.QUEUED, lease_owner="", lease_expires_at=None, error=reason,
-        available_at=timezone.now(),
-    ) == 1
+    return (
+        Run.objects.filter(
+            pk=fence.run_id,
+            lease_owner=fence.lease_owner,
+            lease_token=fence.lease_token,
+            status=RunStatus.RUNNING,
+        ).update(
+            status=RunStatus.QUEUED,
+            lease_owner="",
+            lease_expires_at=None,
+            error=reason,
+            available_at=timezone.now(),
+        )
+        == 1
+    )
 
 
 def recover_expired(*, max_attempts: int) -> int:

@@ -196,8 +196,10 @@ class Worker:
             execution.task.cancel()
         await asyncio.gather(*(e.task for _, e in leftover), return_exceptions=True)
         reason = {
-            "code": "scheduler.worker_shutdown", "category": "UNAVAILABLE",
-            "message": "the worker shut down; the run was requeued", "retryable": True,
+            "code": "scheduler.worker_shutdown",
+            "category": "UNAVAILABLE",
+            "message": "the worker shut down; the run was requeued",
+            "retryable": True,
             "resumable": True,
         }
         for run_id, execution in leftover:

@@ -103,19 +103,24 @@ def demo_manifest(name: str = "demo", version: str = "1.0.0", **agent_overrides)
         "max_steps": 8,
         **agent_overrides,
     }
-    return {"name": name, "version": version, "entrypoint": "assistant",
-            "agents": {"assistant": agent}}
+    return {
+        "name": name,
+        "version": version,
+        "entrypoint": "assistant",
+        "agents": {"assistant": agent},
+    }
 
 
 @pytest.fixture
 def make_session(scripted_record):
     """Create a package (if needed) and a session for a user; returns the Session."""
-    from agents import services
+    from agents import packages, services
 
     def make(user, *, manifest: dict | None = None, kind: str = "master"):
-        package, _ = services.package_create(owner=user, manifest=manifest or demo_manifest())
-        return services.session_create(owner=user, package=package.name, agent="assistant",
-                                       kind=kind)
+        package, _ = packages.package_create(owner=user, manifest=manifest or demo_manifest())
+        return services.session_create(
+            owner=user, package=package.name, agent="assistant", kind=kind
+        )
 
     return make
 

@@ -16,8 +16,10 @@ from urllib.parse import urlsplit
 
 CI = os.environ.get("CI", "").lower() == "true"
 SERVERS = [
-    ("PostgreSQL", os.environ.get("SAGE_TEST_POSTGRES_URL",
-                                  "postgres://postgres@127.0.0.1:5432/postgres")),
+    (
+        "PostgreSQL",
+        os.environ.get("SAGE_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/postgres"),
+    ),
     ("MySQL", os.environ.get("SAGE_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")),
 ]
 
@@ -38,8 +40,11 @@ def run(label: str, url: str, args: list[str]) -> tuple[int, str]:
     print(f"\n=== {label}: pytest {' '.join(args)}", flush=True)
     started = time.monotonic()
     process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", *args], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "pytest", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     tail = ""
     assert process.stdout is not None
@@ -64,8 +69,11 @@ def main() -> int:
                 print(f"=== {label}: NOT reachable at {url} — required under CI=true", flush=True)
                 results.append((label, 1, "unreachable"))
             else:
-                print(f"=== {label}: not reachable at {url}; its storage tests are SKIPPED "
-                      "(CI=true makes this a failure)", flush=True)
+                print(
+                    f"=== {label}: not reachable at {url}; its storage tests are SKIPPED "
+                    "(CI=true makes this a failure)",
+                    flush=True,
+                )
             continue
         code, summary = run(label, url, ["-q", "-m", "storage", *extra])
         results.append((f"{label} (storage tests)", code, summary))

@@ -39,8 +39,9 @@ def test_it_accepts_none_for_auto_release():
 
 
 def test_it_rejects_a_per_user_limit_above_the_global_one():
-    loaded = config.load({"SAGE_SERVER_MAX_CONCURRENT_RUNS": "2",
-                          "SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER": "3"})
+    loaded = config.load(
+        {"SAGE_SERVER_MAX_CONCURRENT_RUNS": "2", "SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER": "3"}
+    )
     assert any("PER_USER" in e for e in loaded.errors)
 
 
@@ -53,7 +54,12 @@ def test_it_rejects_an_unknown_database_scheme():
 def test_it_parses_server_database_urls():
     pg = config.parse_database_url("postgres://u:p%40ss@db.example:5433/sage", base_dir="/x")
     assert (pg["ENGINE"], pg["NAME"], pg["USER"], pg["PASSWORD"], pg["HOST"], pg["PORT"]) == (
-        "django.db.backends.postgresql", "sage", "u", "p@ss", "db.example", "5433"
+        "django.db.backends.postgresql",
+        "sage",
+        "u",
+        "p@ss",
+        "db.example",
+        "5433",
     )
     assert pg["OPTIONS"]["pool"]["max_size"] == 20
     my = config.parse_database_url("mysql://root@127.0.0.1:3306/test", base_dir="/x")
@@ -67,8 +73,13 @@ def test_it_parses_server_database_urls():
 @pytest.mark.parametrize("command", [["migrate"], ["runworker"], ["check"]])
 def test_it_stops_start_up_with_one_clear_line(command):
     env = {**os.environ, "SAGE_SERVER_MAX_CONCURRENT_RUNS": "0"}
-    result = subprocess.run([sys.executable, str(ROOT / "manage.py"), *command], env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines == [
@@ -80,8 +91,12 @@ def test_it_stops_start_up_with_one_clear_line(command):
 def test_it_stops_the_web_server_with_one_clear_line():
     env = {**os.environ, "SAGE_MAX_CONCURRENT_MODEL_CALLS": "abc"}
     result = subprocess.run(
-        [sys.executable, "-c", "import sageproject.asgi"], env=env, cwd=ROOT,
-        capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", "import sageproject.asgi"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert result.stderr.strip() == (

@@ -11,8 +11,9 @@ pytestmark = pytest.mark.django_db
 
 
 def _session(api: APIClient) -> dict:
-    response = api.post("/api/v1/sessions/", {"package": "demo", "agent": "assistant"},
-                        format="json")
+    response = api.post(
+        "/api/v1/sessions/", {"package": "demo", "agent": "assistant"}, format="json"
+    )
     assert response.status_code == 201, response.content
     return response.json()
 
@@ -43,15 +44,24 @@ def test_it_rejects_a_bad_token():
 
 
 def test_it_creates_a_session_and_submits_a_run(alice_api, alice_session):
-    response = alice_api.post("/api/v1/runs/", {"session": str(alice_session.pk),
-                                                "input": "hello"}, format="json")
+    response = alice_api.post(
+        "/api/v1/runs/", {"session": str(alice_session.pk), "input": "hello"}, format="json"
+    )
     assert response.status_code == 202
     body = response.json()
     assert body["status"] == "queued"
     assert body["session"] == str(alice_session.pk)
     fetched = alice_api.get(f"/api/v1/runs/{body['id']}/").json()
-    for key in ("id", "session", "status", "result", "error", "created_at", "started_at",
-                "finished_at"):
+    for key in (
+        "id",
+        "session",
+        "status",
+        "result",
+        "error",
+        "created_at",
+        "started_at",
+        "finished_at",
+    ):
         assert key in fetched
 
 
@@ -69,15 +79,17 @@ def test_it_answers_404_for_bob_on_alice_objects(alice, alice_api, bob_api, alic
         assert response.status_code == 404, url
         assert response.json()["error"]["category"] == "NOT_FOUND"
     assert bob_api.post(f"/api/v1/runs/{run.pk}/cancel/").status_code == 404
-    submit = bob_api.post("/api/v1/runs/", {"session": str(alice_session.pk), "input": "x"},
-                          format="json")
+    submit = bob_api.post(
+        "/api/v1/runs/", {"session": str(alice_session.pk), "input": "x"}, format="json"
+    )
     assert submit.status_code == 404
     assert bob_api.get("/api/v1/runs/").json()["count"] == 0
 
 
 def test_it_answers_malformed_json_with_a_400_envelope(alice_api):
-    response = alice_api.generic("POST", "/api/v1/runs/", "{not json",
-                                 content_type="application/json")
+    response = alice_api.generic(
+        "POST", "/api/v1/runs/", "{not json", content_type="application/json"
+    )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "request.malformed"
@@ -86,8 +98,11 @@ def test_it_answers_malformed_json_with_a_400_envelope(alice_api):
 
 
 def test_it_rejects_unknown_fields(alice_api, alice_session):
-    response = alice_api.post("/api/v1/runs/", {"session": str(alice_session.pk),
-                                                "input": "x", "priorty": 3}, format="json")
+    response = alice_api.post(
+        "/api/v1/runs/",
+        {"session": str(alice_session.pk), "input": "x", "priorty": 3},
+        format="json",
+    )
     assert response.status_code == 400
     assert response.json()["error"]["details"]["fields"] == {"priorty": ["unknown field"]}
     assert Run.objects.count() == 0
@@ -100,16 +115,18 @@ def test_it_reports_missing_fields_by_name(alice_api):
 
 
 def test_it_rejects_an_unknown_agent(alice_api, alice_session):
-    response = alice_api.post("/api/v1/sessions/", {"package": "demo", "agent": "ghost"},
-                              format="json")
+    response = alice_api.post(
+        "/api/v1/sessions/", {"package": "demo", "agent": "ghost"}, format="json"
+    )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "session.agent_not_found"
 
 
 def test_it_rejects_a_huge_payload(alice_api, alice_session, settings):
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 10_000
-    response = alice_api.post("/api/v1/runs/", {"session": str(alice_session.pk),
-                                                "input": "x" * 20_000}, format="json")
+    response = alice_api.post(
+        "/api/v1/runs/", {"session": str(alice_session.pk), "input": "x" * 20_000}, format="json"
+    )
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request.too_large"
     assert Run.objects.count() == 0
@@ -125,8 +142,7 @@ def test_it_returns_the_same_run_for_a_repeated_idempotency_key(alice_api, alice
     assert Run.objects.count() == 1
 
 
-def test_it_answers_429_with_retry_after_when_the_queue_is_full(alice_api, alice_session,
-                                                                 settings):
+def test_it_answers_429_with_retry_after_when_the_queue_is_full(alice_api, alice_session, settings):
     settings.SAGE = {**settings.SAGE, "SAGE_SERVER_MAX_PENDING_RUNS": 2}
     payload = {"session": str(alice_session.pk), "input": "x"}
     assert alice_api.post("/api/v1/runs/", payload, format="json").status_code == 202
@@ -142,8 +158,13 @@ def test_it_answers_429_with_retry_after_when_the_queue_is_full(alice_api, alice
 def test_it_pages_events_by_after_and_limit(alice, alice_api, alice_session):
     run, _ = services.run_submit(owner=alice, session_id=alice_session.pk, input="x")
     Event.objects.bulk_create(
-        Event(session=alice_session, seq=i, run=run, type="message.completed",
-              data='{"role": "user", "content": "m%d"}' % i)
+        Event(
+            session=alice_session,
+            seq=i,
+            run=run,
+            type="message.completed",
+            data=f'{{"role": "user", "content": "m{i}"}}',
+        )
         for i in range(1, 8)
     )
     url = f"/api/v1/sessions/{alice_session.pk}/events/"
@@ -182,10 +203,17 @@ def test_it_cancels_a_queued_run_and_archives_it(alice, alice_api, alice_session
 
 
 def test_it_never_returns_model_credentials(alice_api):
-    response = alice_api.post("/api/v1/model-records/", {
-        "name": "mine", "protocol": "openai", "base_url": "http://127.0.0.1:9/v1",
-        "model": "gpt-test", "api_key": "sk-secret-123",
-    }, format="json")
+    response = alice_api.post(
+        "/api/v1/model-records/",
+        {
+            "name": "mine",
+            "protocol": "openai",
+            "base_url": "http://127.0.0.1:9/v1",
+            "model": "gpt-test",
+            "api_key": "sk-secret-123",
+        },
+        format="json",
+    )
     assert response.status_code == 201, response.content
     assert "sk-secret-123" not in response.content.decode()
     assert response.json()["has_credentials"] is True
@@ -205,8 +233,9 @@ def test_it_creates_packages_and_rejects_a_changed_version(alice_api):
     again = alice_api.post("/api/v1/packages/", {"manifest": demo_manifest()}, format="json")
     assert again.status_code == 200
     assert again.json()["reused"] is True
-    changed = alice_api.post("/api/v1/packages/", {
-        "manifest": demo_manifest(instructions="Different.")}, format="json")
+    changed = alice_api.post(
+        "/api/v1/packages/", {"manifest": demo_manifest(instructions="Different.")}, format="json"
+    )
     assert changed.status_code == 409
     assert changed.json()["error"]["code"] == "package.version_conflict"
 

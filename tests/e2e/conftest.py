@@ -54,8 +54,9 @@ class WorkerThread:
             raise self.error
 
 
-def wait_for(predicate: Callable[[], bool], *, timeout: float = 30.0,
-              message: str = "condition") -> None:
+def wait_for(
+    predicate: Callable[[], bool], *, timeout: float = 30.0, message: str = "condition"
+) -> None:
     """Poll the database until ``predicate`` holds; fail with ``message`` at the deadline."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -15,8 +15,9 @@ pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
 
 def _open_session(api, package: str = "demo") -> str:
-    response = api.post("/api/v1/sessions/", {"package": package, "agent": "assistant"},
-                        format="json")
+    response = api.post(
+        "/api/v1/sessions/", {"package": package, "agent": "assistant"}, format="json"
+    )
     assert response.status_code == 201, response.content
     return response.json()["id"]
 
@@ -28,8 +29,9 @@ def _submit(api, session_id: str, text: str) -> str:
 
 
 def _assert_contiguous(session_id) -> None:
-    seqs = list(Event.objects.filter(session_id=session_id).order_by("seq")
-                .values_list("seq", flat=True))
+    seqs = list(
+        Event.objects.filter(session_id=session_id).order_by("seq").values_list("seq", flat=True)
+    )
     assert seqs == list(range(1, len(seqs) + 1))
 
 
@@ -38,11 +40,13 @@ def test_it_completes_twenty_runs_for_two_users(alice, bob, make_session, start_
     make_session(alice)
     make_session(bob)
     runs: dict[str, tuple[str, str]] = {}
+    sessions: dict[str, str] = {}
     for i in range(10):
         for name, api in apis.items():
-            session = _open_session(api) if i % 2 == 0 else runs_session[name]
-            runs_session = locals().setdefault("runs_session", {})
-            runs_session[name] = session
+            # Two runs per session: the second continues the first one's history.
+            if i % 2 == 0:
+                sessions[name] = _open_session(api)
+            session = sessions[name]
             prompt = f"please calculate {i}+{i}" if i % 3 == 0 else f"hello {name} {i}"
             runs[_submit(api, session, prompt)] = (name, session)
     start_worker(max_concurrent=4)
@@ -69,8 +73,13 @@ def test_it_runs_a_tool_loop_with_durable_events(alice, make_session, start_work
     wait_for(lambda: all_terminal([run_id]), message="the run to finish")
     events = api.get(f"/api/v1/sessions/{session}/events/").json()["results"]
     assert [e["type"] for e in events] == [
-        "run.started", "message.completed", "message.completed", "tool.call.started",
-        "tool.call.succeeded", "message.completed", "run.completed",
+        "run.started",
+        "message.completed",
+        "message.completed",
+        "tool.call.started",
+        "tool.call.succeeded",
+        "message.completed",
+        "run.completed",
     ]
     assert events[4]["payload"]["output"] == "20"
     assert events[-1]["payload"]["result"]["text"] == "The result is 20."
@@ -78,22 +87,26 @@ def test_it_runs_a_tool_loop_with_durable_events(alice, make_session, start_work
 
 def _slow_model(name: str = "slow") -> ModelRecord:
     return ModelRecord.objects.create(
-        owner=None, name=name, protocol=Protocol.SCRIPTED, model="slow",
+        owner=None,
+        name=name,
+        protocol=Protocol.SCRIPTED,
+        model="slow",
         options={"token_delay_ms": 200, "script": [{"text": " ".join(["word"] * 200)}]},
     )
 
 
 def test_it_cancels_a_running_run(alice, start_worker):
-    from agents import services
+    from agents import packages
 
     _slow_model()
-    services.package_create(owner=alice, manifest=demo_manifest(name="slowpkg", model="slow"))
+    packages.package_create(owner=alice, manifest=demo_manifest(name="slowpkg", model="slow"))
     api = client_for(alice)
     session = _open_session(api, "slowpkg")
     run_id = _submit(api, session, "talk slowly")
     start_worker()
-    wait_for(lambda: Run.objects.get(pk=run_id).status == RunStatus.RUNNING,
-             message="the run to start")
+    wait_for(
+        lambda: Run.objects.get(pk=run_id).status == RunStatus.RUNNING, message="the run to start"
+    )
     assert api.post(f"/api/v1/runs/{run_id}/cancel/").status_code == 202
     wait_for(lambda: all_terminal([run_id]), message="the run to be cancelled")
     run = Run.objects.get(pk=run_id)
@@ -104,15 +117,16 @@ def test_it_cancels_a_running_run(alice, start_worker):
 
 
 def test_it_requeues_unfinished_runs_on_shutdown(alice, start_worker):
-    from agents import services
+    from agents import packages
 
     _slow_model()
-    services.package_create(owner=alice, manifest=demo_manifest(name="slowpkg", model="slow"))
+    packages.package_create(owner=alice, manifest=demo_manifest(name="slowpkg", model="slow"))
     api = client_for(alice)
     run_id = _submit(api, _open_session(api, "slowpkg"), "talk slowly")
     worker = start_worker(grace_seconds=0.2)
-    wait_for(lambda: Run.objects.get(pk=run_id).status == RunStatus.RUNNING,
-             message="the run to start")
+    wait_for(
+        lambda: Run.objects.get(pk=run_id).status == RunStatus.RUNNING, message="the run to start"
+    )
     worker.stop()
     run = Run.objects.get(pk=run_id)
     assert run.status == RunStatus.QUEUED
@@ -127,7 +141,10 @@ def test_it_requeues_a_run_whose_worker_died(alice, make_session, start_worker):
     run_id = _submit(api, _open_session(api), "hello")
     # A worker claimed it and died: the run is 'running' under a lease that has expired.
     Run.objects.filter(pk=run_id).update(
-        status=RunStatus.RUNNING, lease_owner="dead-worker", lease_token=1, attempts=1,
+        status=RunStatus.RUNNING,
+        lease_owner="dead-worker",
+        lease_token=1,
+        attempts=1,
         lease_expires_at=timezone.now() - timedelta(seconds=1),
     )
     start_worker()
@@ -139,13 +156,16 @@ def test_it_requeues_a_run_whose_worker_died(alice, make_session, start_worker):
 
 
 def test_it_fails_a_run_on_an_upstream_error_without_leaking_the_body(alice, start_worker):
-    from agents import services
+    from agents import packages
 
     ModelRecord.objects.create(
-        owner=None, name="broken", protocol=Protocol.SCRIPTED, model="broken",
+        owner=None,
+        name="broken",
+        protocol=Protocol.SCRIPTED,
+        model="broken",
         options={"error": {"status": 400, "body": "<html><title>secret-proxy-page</title></html>"}},
     )
-    services.package_create(owner=alice, manifest=demo_manifest(name="broken", model="broken"))
+    packages.package_create(owner=alice, manifest=demo_manifest(name="broken", model="broken"))
     api = client_for(alice)
     session = _open_session(api, "broken")
     run_id = _submit(api, session, "hello")

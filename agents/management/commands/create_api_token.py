@@ -12,8 +12,11 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("username")
-        parser.add_argument("--create-user", action="store_true",
-                            help="create the user (no password) if it does not exist")
+        parser.add_argument(
+            "--create-user",
+            action="store_true",
+            help="create the user (no password) if it does not exist",
+        )
 
     def handle(self, *args, **options) -> None:
         User = get_user_model()

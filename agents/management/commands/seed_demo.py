@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
-from agents import services
+from agents import packages
 from pooling.models import ModelRecord, Protocol
 
 DEMO_MANIFEST = {
@@ -33,12 +33,14 @@ class Command(BaseCommand):
     help = "Create the shared 'scripted' model record and the 'demo' package (idempotent)."
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("--owner", default="admin",
-                            help="user who owns the demo package (default: admin)")
+        parser.add_argument(
+            "--owner", default="admin", help="user who owns the demo package (default: admin)"
+        )
 
     def handle(self, *args, **options) -> None:
-        record, created = ModelRecord.objects.get_or_create(
-            owner=None, name="scripted",
+        _record, created = ModelRecord.objects.get_or_create(
+            owner=None,
+            name="scripted",
             defaults={"protocol": Protocol.SCRIPTED, "model": "scripted-echo", "options": {}},
         )
         self.stdout.write(f"model record 'scripted': {'created' if created else 'exists'}")
@@ -47,6 +49,6 @@ class Command(BaseCommand):
             owner = User.objects.get(username=options["owner"])
         except User.DoesNotExist:
             raise CommandError(f"no user {options['owner']!r}; create it first") from None
-        package, created = services.package_create(owner=owner, manifest=DEMO_MANIFEST)
+        package, created = packages.package_create(owner=owner, manifest=DEMO_MANIFEST)
         state = "created" if created else "exists"
         self.stdout.write(f"package demo@{package.version} ({package.ref[:12]}): {state}")

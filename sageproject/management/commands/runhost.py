@@ -42,8 +42,19 @@ class Command(BaseCommand):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         manage = str(Path(settings.BASE_DIR) / "manage.py")
         web = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "sageproject.asgi:application", "--host", host,
-             "--port", str(port), "--no-access-log", "--lifespan", "off"],
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "sageproject.asgi:application",
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--no-access-log",
+                "--lifespan",
+                "off",
+            ],
             env=env,
         )
         worker = subprocess.Popen([sys.executable, manage, "runworker"], env=env)
@@ -73,8 +84,11 @@ class Command(BaseCommand):
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as handle:
-                json.dump({"username": "admin", "password": password, "token": token.key},
-                          handle, indent=2)
+                json.dump(
+                    {"username": "admin", "password": password, "token": token.key},
+                    handle,
+                    indent=2,
+                )
         return password, token.key
 
     def _wait_until_up(self, url: str, web: subprocess.Popen, timeout: float = 30.0) -> bool:
@@ -97,13 +111,13 @@ class Command(BaseCommand):
         else:
             login = f"user admin; password and token in {creds}"
         curl = (
-            f'TOKEN={token}\n'
+            f"TOKEN={token}\n"
             f'SESSION=$(curl -s -H "Authorization: Token $TOKEN" -H "Content-Type: application/json" \\\n'
             f'  -d \'{{"package": "demo", "agent": "assistant"}}\' {base}/api/v1/sessions/ \\\n'
-            f'  | python3 -c "import sys, json; print(json.load(sys.stdin)[\'id\'])")\n'
+            f"  | python3 -c \"import sys, json; print(json.load(sys.stdin)['id'])\")\n"
             f'curl -s -H "Authorization: Token $TOKEN" -H "Content-Type: application/json" \\\n'
             f'  -d "{{\\"session\\": \\"$SESSION\\", \\"input\\": \\"please calculate (2+3)*4\\"}}" '
-            f'{base}/api/v1/runs/\n'
+            f"{base}/api/v1/runs/\n"
             f'sleep 1; curl -s -H "Authorization: Token $TOKEN" '
             f'"{base}/api/v1/sessions/$SESSION/events/"\n'
         )
