@@ -4,7 +4,6 @@ from django.contrib import admin
 
 from agents.models import (
     AgentPackage,
-    JobRecord,
     ManagedAgentRecord,
     ReadinessReport,
     ReclamationRequest,
@@ -76,36 +75,3 @@ class ReclamationRequestAdmin(admin.ModelAdmin):
     ]
     list_filter = ["status", "scope"]
     readonly_fields = ["status", "outcome", "requested_by", "created_at", "finished_at"]
-
-
-@admin.register(JobRecord)
-class JobRecordAdmin(admin.ModelAdmin):
-    list_display = [
-        "job_id",
-        "kind",
-        "state",
-        "run",
-        "owner",
-        "output_bytes",
-        "output_truncated",
-        "created_at",
-    ]
-    list_filter = ["state", "kind", "output_truncated"]
-    search_fields = ["job_id", "run__id", "owner__username"]
-    readonly_fields = [
-        "job_id",
-        "run",
-        "owner",
-        "kind",
-        "state",
-        "output_bytes",
-        "output_chunks",
-        "output_truncated",
-        "error",
-        "cancel_requested",
-        "created_at",
-        "updated_at",
-    ]
-
-    def has_add_permission(self, request, obj=None) -> bool:
-        return False
