@@ -73,6 +73,15 @@ class RunSubmitSerializer(StrictFieldsMixin, serializers.Serializer):
     priority = serializers.IntegerField(default=0, min_value=-100, max_value=100)
 
 
+class RunReplySerializer(StrictFieldsMixin, serializers.Serializer):
+    decision = serializers.CharField(
+        max_length=50, help_text="One of the interaction's allowed_decisions, e.g. retry or cancel."
+    )
+    interaction = serializers.CharField(
+        max_length=64, required=False, help_text="The interaction id being answered."
+    )
+
+
 class RunSerializer(serializers.ModelSerializer):
     session = serializers.UUIDField(source="session_id")
 
@@ -231,6 +240,19 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         """Cancel: queued and suspended runs end at once, running ones at their next step."""
         run = services.run_cancel(run=self.get_object())
+        return Response(RunSerializer(run).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=RunReplySerializer, responses={202: RunSerializer})
+    @action(detail=True, methods=["post"])
+    def reply(self, request: Request, pk: str | None = None) -> Response:
+        """Answer a suspended run (decision ``retry`` resumes it, ``cancel`` ends it)."""
+        data = RunReplySerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        run = services.run_reply(
+            run=self.get_object(),
+            decision=data.validated_data["decision"],
+            interaction_id=data.validated_data.get("interaction"),
+        )
         return Response(RunSerializer(run).data, status=status.HTTP_202_ACCEPTED)
 
 

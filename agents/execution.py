@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,9 @@ from agents.engine import AgentTurn, EventBatch, history_from_events, run_turn
 from agents.models import AgentPackage
 from agents.services import archive_terminal
 from agents.tools import ToolContext, ToolRegistry, build_registry
+from pooling import providers
+from pooling.budget import ModelConcurrencyBudget
+from pooling.clients import ModelClientPool
 from pooling.models import ModelRecord
 from pooling.providers import get_adapter
 from pooling.providers.base import ModelRequest
@@ -64,6 +68,8 @@ class PreparedRun:
     turn: AgentTurn
     record: ModelRecordView
     first_attempt: bool
+    # The reply that resumed a suspended run, emitted as ``interaction.resolved``.
+    resolution: dict[str, Any] | None = None
 
 
 def _instructions(agent: dict[str, Any], files: dict[str, str]) -> str:
@@ -95,20 +101,79 @@ def error_dict(error: SageError) -> dict[str, Any]:
     }
 
 
-class RunExecutor:
-    """Executes runs for the worker; owns the tool registry and model access."""
+# Errors of this host's own bounded queues: the run is suspended (nothing was sent to the
+# provider) and a reply with decision "retry" resumes it.
+SUSPENDING_CODES = frozenset({"model.queue_full", "model.queue_timeout", "server.model_pool_full"})
 
-    def __init__(self, *, tools: ToolRegistry | None = None) -> None:
+
+class _LeasedProvider:
+    """The provider a budget wraps: one adapter bound to one leased client."""
+
+    __slots__ = ("adapter", "client")
+
+    def __init__(self, adapter: Any, client: Any) -> None:
+        self.adapter = adapter
+        self.client = client
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[Any]:
+        return self.adapter.stream(self.client, request)
+
+
+class RunExecutor:
+    """Executes runs for the worker.
+
+    Owns the worker's one ``ModelClientPool`` and one ``ModelConcurrencyBudget`` (shared by
+    every run), and the tool registry.
+    """
+
+    def __init__(
+        self,
+        *,
+        tools: ToolRegistry | None = None,
+        pool: ModelClientPool | None = None,
+        budget: ModelConcurrencyBudget | None = None,
+    ) -> None:
+        sage = settings.SAGE
         self.tools = tools or build_registry(settings.SAGE_TOOL_MODULES)
+        self.pool = pool or ModelClientPool(
+            providers.create_client,
+            providers.close_client,
+            max_clients=sage["SAGE_SERVER_MAX_MODEL_CLIENTS"],
+        )
+        self.budget = budget or ModelConcurrencyBudget(
+            sage["SAGE_MAX_CONCURRENT_MODEL_CALLS"],
+            max_waiting=sage["SAGE_MAX_WAITING_MODEL_CALLS"],
+            wait_timeout_seconds=sage["SAGE_MODEL_QUEUE_TIMEOUT_SECONDS"],
+        )
+        self._pool_snapshot: dict[str, Any] = {}
+        self._refresher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Nothing to warm up yet; the worker calls it once before claiming."""
+        """Called once by the worker before it claims anything."""
+        self._pool_snapshot = await self.pool.snapshot()
+        self._refresher = asyncio.create_task(self._refresh_loop(), name="executor-capacity")
 
     async def close(self) -> None:
-        """Release what the executor holds; called once after the last run ended."""
+        """Close the model clients after the last run ended (waits for their leases)."""
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+        try:
+            await self.pool.close()
+        except SageError as exc:
+            logger.warning("closing model clients: %s (%s)", exc.message, exc.__cause__)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self._pool_snapshot = await self.pool.snapshot()
 
     def capacity(self) -> dict[str, Any]:
-        return {"tools": self.tools.names()}
+        return {
+            "model_clients": dict(self._pool_snapshot),
+            "model_calls": self.budget.snapshot(),
+            "tools": self.tools.names(),
+        }
 
     # --- preparation --------------------------------------------------------------
 
@@ -164,6 +229,7 @@ class RunExecutor:
                 options=dict(record.options or {}),
             ),
             first_attempt=not Event.objects.filter(run_id=run.pk, type="run.started").exists(),
+            resolution=(run.interaction or {}).get("resolution"),
         )
 
     # --- model access ---------------------------------------------------------------
@@ -171,13 +237,14 @@ class RunExecutor:
     async def _stream_model(
         self, record: ModelRecordView, owner_id: int, request: ModelRequest
     ) -> AsyncIterator[Any]:
+        """One model call: a client leased for this user and record, one budget slot
+        held for the whole stream. Pool-full and budget errors are raised before any
+        request reaches the provider."""
         adapter = get_adapter(record.protocol)
-        client = await adapter.create_client(record)
-        try:
-            async for item in adapter.stream(client, request):
+        async with await self.pool.acquire(owner_id, record) as lease:
+            bounded = self.budget.wrap(_LeasedProvider(adapter, lease.provider))
+            async for item in bounded.stream(request):
                 yield item
-        finally:
-            await adapter.close_client(client)
 
     # --- the run ----------------------------------------------------------------
 
@@ -198,7 +265,11 @@ class RunExecutor:
                 session_id=prepared.session_id, run_id=prepared.run_id, events=batch, fence=fence
             )
 
-        start: EventBatch = [("run.started", {"attempt_first": prepared.first_attempt})]
+        start: EventBatch = []
+        if prepared.resolution is not None:
+            start.append(("interaction.resolved", prepared.resolution))
+            start.append(("run.resumed", {"decision": prepared.resolution.get("decision")}))
+        start.append(("run.started", {"first_attempt": prepared.first_attempt}))
         history = prepared.history
         if prepared.first_attempt:
             start.append(("message.completed", {"role": "user", "content": prepared.user_input}))
@@ -234,6 +305,8 @@ class RunExecutor:
             if exc.code == "scheduler.fence_rejected":
                 logger.warning("run %s lost its lease; its writes stop here", run_id)
                 return "lease_lost"
+            if exc.code in SUSPENDING_CODES:
+                return await self._suspend(run_id, fence, exc, prepared)
             return await self._finish(
                 run_id, fence, RunStatus.FAILED, None, error_dict(exc), prepared
             )
@@ -285,12 +358,56 @@ class RunExecutor:
             raise
         return status
 
+    async def _suspend(
+        self, run_id: Any, fence: Fence, error: SageError, prepared: PreparedRun
+    ) -> str:
+        """Park the run as ``suspended`` with an interaction a reply can resolve."""
+        interaction = {
+            "id": uuid.uuid4().hex,
+            "type": "retry",
+            "code": error.code,
+            "message": error.message,
+            "retryable": error.retryable,
+            "resumable": error.resumable,
+            "allowed_decisions": ["retry", "cancel"],
+        }
+        try:
+            await asyncio.shield(
+                append_events(
+                    session_id=prepared.session_id,
+                    run_id=run_id,
+                    fence=fence,
+                    events=[
+                        ("run.suspended", {"code": error.code}),
+                        ("interaction.requested", interaction),
+                    ],
+                )
+            )
+            await asyncio.shield(db_call(suspend_run_sync, fence=fence, interaction=interaction))
+        except SageError as exc:
+            if exc.code == "scheduler.fence_rejected":
+                return "lease_lost"
+            raise
+        logger.info("run %s suspended: %s", run_id, error.code)
+        return RunStatus.SUSPENDED
+
 
 TERMINAL_EVENTS = {
     RunStatus.COMPLETED: "run.completed",
     RunStatus.FAILED: "run.failed",
     RunStatus.CANCELLED: "run.cancelled",
 }
+
+
+def suspend_run_sync(*, fence: Fence, interaction: dict[str, Any]) -> None:
+    with transaction.atomic():
+        check_fence(fence)
+        Run.objects.filter(pk=fence.run_id).update(
+            status=RunStatus.SUSPENDED,
+            interaction=interaction,
+            lease_owner="",
+            lease_expires_at=None,
+        )
 
 
 def finish_run_sync(*, fence: Fence, status: str, result: Any, error: Any) -> None:

@@ -16,6 +16,7 @@ from django.utils import timezone
 from agents.models import ManagedAgentRecord
 from agents.packages import package_resolve
 from sageproject.errors import (
+    ConflictError,
     NotFoundError,
     RateLimitedError,
     ValidationError,
@@ -128,6 +129,39 @@ def run_cancel(*, run: Run) -> Run:
             archive_terminal(fresh)
         else:
             Run.objects.filter(pk=run.pk, status=RunStatus.RUNNING).update(cancel_requested=True)
+    return Run.objects.get(pk=run.pk)
+
+
+def run_reply(*, run: Run, decision: str, interaction_id: str | None = None) -> Run:
+    """Answer a suspended run's interaction: ``retry`` queues it again, ``cancel`` ends it.
+
+    Raises ``run.not_suspended`` (409) when there is nothing to answer, and
+    ``run.decision_invalid`` (400) for a decision the interaction does not allow.
+    """
+    interaction = run.interaction or {}
+    if run.status != RunStatus.SUSPENDED or not interaction:
+        raise ConflictError("run.not_suspended", f"run is {run.status}; there is nothing to answer")
+    if interaction_id is not None and interaction_id != interaction.get("id"):
+        raise ConflictError(
+            "interaction.revision_conflict", "that interaction is no longer pending"
+        )
+    allowed = interaction.get("allowed_decisions", [])
+    if decision not in allowed:
+        raise ValidationError(
+            "run.decision_invalid",
+            f"decision must be one of {', '.join(allowed)}",
+            details={"fields": {"decision": [f"must be one of {allowed}"]}},
+        )
+    if decision == "cancel":
+        return run_cancel(run=run)
+    resolution = {"interaction_id": interaction.get("id"), "decision": decision}
+    updated = Run.objects.filter(pk=run.pk, status=RunStatus.SUSPENDED).update(
+        status=RunStatus.QUEUED,
+        available_at=timezone.now(),
+        interaction={**interaction, "resolution": resolution},
+    )
+    if not updated:
+        raise ConflictError("run.not_suspended", "the run changed state; read it again")
     return Run.objects.get(pk=run.pk)
 
 

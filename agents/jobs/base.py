@@ -93,6 +93,22 @@ class JobStream(StrEnum):
 JOB_EVENT_TYPES = ("job.created", "job.started", "job.completed", "job.failed", "job.killed")
 
 
+MAX_LABELS = 16
+MAX_LABEL_CHARS = 200
+
+
+def _check_labels(labels: Mapping[str, str]) -> None:
+    if len(labels) > MAX_LABELS:
+        raise ValidationError("job.invalid_spec", f"at most {MAX_LABELS} labels")
+    for key, value in labels.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ValidationError("job.invalid_spec", "labels must map strings to strings")
+        if not key or len(key) > MAX_LABEL_CHARS or len(value) > MAX_LABEL_CHARS:
+            raise ValidationError(
+                "job.invalid_spec", f"label keys and values are 1..{MAX_LABEL_CHARS} characters"
+            )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobSpec:
     """What to run: ``kind`` picks the runner, ``payload`` is its JSON-able input."""
@@ -106,6 +122,9 @@ class JobSpec:
     # Can only lower the runtime's per-job caps, never raise them.
     max_output_bytes: int | None = None
     max_output_chunks: int | None = None
+    # Host bookkeeping (session id, owner id) for whoever records job events; never
+    # secrets, never read by runners. Bounded: it is copied into every snapshot.
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.owner_run_id:
@@ -116,6 +135,8 @@ class JobSpec:
             raise ValidationError("job.invalid_spec", "max_output_bytes must be > 0")
         if self.max_output_chunks is not None and self.max_output_chunks <= 0:
             raise ValidationError("job.invalid_spec", "max_output_chunks must be > 0")
+        _check_labels(self.labels)
+        object.__setattr__(self, "labels", dict(self.labels))
         # Coerce plain strings so specs decoded from JSON compare equal to typed ones.
         object.__setattr__(self, "pause_behavior", JobPauseBehavior(self.pause_behavior))
         object.__setattr__(
@@ -132,6 +153,7 @@ class JobSpec:
             "idempotency_key": self.idempotency_key,
             "max_output_bytes": self.max_output_bytes,
             "max_output_chunks": self.max_output_chunks,
+            "labels": dict(self.labels),
         }
 
     @classmethod
@@ -183,6 +205,7 @@ class JobSnapshot:
     output_bytes: int = 0
     output_chunks: int = 0
     idempotency_key: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:
@@ -298,8 +321,12 @@ class JobLimits:
 
 
 def code_tools_enabled() -> bool:
-    """True when the operator enabled code tools (``SAGE_CODE_TOOLS=1``)."""
-    return os.environ.get("SAGE_CODE_TOOLS", "0").strip() == "1"
+    """True when the operator enabled code tools (``SAGE_CODE_TOOLS=1``).
+
+    Accepts the same truthy spellings as ``sageproject.config`` (1/true/yes/on), so a Celery
+    worker and the Django side agree on what the operator meant.
+    """
+    return os.environ.get("SAGE_CODE_TOOLS", "0").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def to_bytes(data: bytes | str) -> bytes:

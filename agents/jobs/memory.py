@@ -105,6 +105,7 @@ class _Job:
             output_bytes=self.output_bytes,
             output_chunks=len(self.chunks),
             idempotency_key=self.spec.idempotency_key,
+            labels=dict(self.spec.labels),
         )
 
 

@@ -283,6 +283,7 @@ def row_to_snapshot(job_id: str, row: Mapping[bytes, bytes]) -> JobSnapshot:
         output_bytes=output_bytes,
         output_chunks=int(_text(row, "output_chunks") or 0),
         idempotency_key=_text(row, "idempotency_key") or None,
+        labels=json.loads(_text(row, "labels") or "{}"),
     )
 
 
@@ -324,6 +325,8 @@ class RedisJobStore:
             "agg_max_chunks": limits.max_buffered_output_chunks,
             "max_concurrent": limits.max_concurrent_jobs,
             "task_id": task_id,
+            # Its own field: snapshots need the labels without decoding the whole spec.
+            "labels": json.dumps(dict(spec.labels)),
         }
         flat: list[Any] = []
         for name, value in fields.items():
