@@ -1,0 +1,1076 @@
+"""Incremental event persistence: the session store coordinator and its writers.
+
+One :class:`SessionStoreCoordinator` per worker process keeps each open session's history
+in memory together with the length of its durable prefix (``Session.persisted_events``).
+A commit appends to the history and hands only the events after the persisted prefix to a
+writer, so appending to a 100,000-event session costs what appending to an empty one does.
+
+Writers are threads, each owning one Django database connection and fed by a queue. A
+writer takes every commit waiting for it, from any number of sessions, into one database
+transaction (group commit); each commit runs in its own savepoint with its own lease-fence
+check, so a stale run's commit is rejected alone while the rest of the batch lands. Every
+caller is answered only after the transaction has committed, so an answered event is a
+durable event. ``SAGE_STORE_WRITERS`` writers may run; a session always uses the same one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import queue
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    IntegrityError,
+    connections,
+    transaction,
+)
+from django.utils import timezone
+
+from sageproject.errors import (
+    ConflictError,
+    ErrorCategory,
+    NotFoundError,
+    SageError,
+    UnavailableError,
+    ValidationError,
+)
+from scheduling.models import Event, Run, RunStatus, Session
+from scheduling.serialization import (
+    SessionEvent,
+    encode_payload,
+    ensure_encoded,
+    export_session_lines,
+    import_session_lines,
+)
+
+__all__ = [
+    "CommitResult",
+    "CommitSpec",
+    "EventDraft",
+    "Fence",
+    "LeaseFencedSessionStore",
+    "SessionStoreCoordinator",
+    "append_events",
+    "check_fence",
+    "close_default_coordinator",
+    "dump_events",
+    "encode_payload",
+    "export_session_lines",
+    "fence_rejected",
+    "get_default_coordinator",
+    "import_session_lines",
+]
+
+logger = logging.getLogger(__name__)
+
+# Rows per INSERT statement when a whole history is rewritten (MySQL's packet limit).
+REWRITE_BATCH_SIZE = 2000
+
+
+# ---------------------------------------------------------------------------------------
+# Values
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fence:
+    """What a write must still hold: the run's current lease owner and token."""
+
+    run_id: Any
+    lease_owner: str
+    lease_token: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EventDraft:
+    """An event to append: its type and its (not yet serialized) payload."""
+
+    type: str
+    payload: Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommitSpec:
+    """One session's part of :meth:`SessionStoreCoordinator.commit_many`."""
+
+    session_id: Any
+    run_id: Any = None
+    drafts: Sequence[EventDraft | tuple[str, Any]] = ()
+    fence: Fence | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommitResult:
+    """What a commit made durable.
+
+    ``seqs`` are the seqs of the appended events; ``written`` the event rows inserted
+    (the whole history after a truncation or a run deletion, when ``replaced`` is true);
+    ``persisted_events`` the durable prefix length afterwards.
+    """
+
+    session_id: str
+    seqs: tuple[int, ...]
+    persisted_events: int
+    written: int
+    replaced: bool
+
+
+def fence_rejected(run_id: Any) -> ConflictError:
+    return ConflictError(
+        "scheduler.fence_rejected",
+        f"run {run_id} is no longer leased by this worker; the write was rejected",
+        resumable=True,
+    )
+
+
+def worker_lease_required(run_id: Any) -> SageError:
+    return SageError(
+        "scheduler.worker_lease_required",
+        f"writing for run {run_id} needs the worker's active lease",
+        category=ErrorCategory.AUTHORIZATION,
+    )
+
+
+def session_conflict(session_id: Any) -> ConflictError:
+    return ConflictError(
+        "store.session_conflict",
+        f"session {session_id} was written by someone else; reload it and try again",
+        retryable=True,
+    )
+
+
+def store_closed() -> UnavailableError:
+    return UnavailableError("store.closed", "the session store is closed")
+
+
+def check_fence(fence: Fence, *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Conditional UPDATE of the run row inside the caller's transaction.
+
+    Raises ``scheduler.fence_rejected`` when no row matches: the run's lease has moved on
+    (another owner, a newer token, or the run is no longer running).
+    """
+    touched = Run.objects.using(using).filter(
+        pk=fence.run_id, lease_owner=fence.lease_owner, lease_token=fence.lease_token,
+        status=RunStatus.RUNNING,
+    ).update(updated_at=timezone.now())
+    if touched != 1:
+        raise fence_rejected(fence.run_id)
+
+
+def session_key(session_id: Any) -> str:
+    """The canonical text of a session id (``UUID`` or any spelling of it)."""
+    try:
+        return str(session_id if isinstance(session_id, uuid.UUID) else uuid.UUID(str(session_id)))
+    except ValueError:
+        raise NotFoundError("store.session_not_found", f"no session {session_id!r}") from None
+
+
+def dump_events(history: list[SessionEvent], offset: int | None = None) -> list[SessionEvent]:
+    """Serialize (once) and return the events a commit must write.
+
+    ``offset=None``: the full history. ``offset <= len(history)``: only
+    ``history[offset:]`` — the persisted prefix is never visited, so it costs nothing.
+    ``offset > len(history)`` (the history was truncated below the persisted prefix):
+    the full current history. Raises ``ValidationError`` for an unserializable payload.
+    """
+    if offset is None or offset > len(history):
+        events = list(history)
+    elif offset == len(history):
+        return []
+    else:
+        events = history[offset:]
+    for event in events:
+        if event.data is None:
+            ensure_encoded(event)
+    return events
+
+
+# ---------------------------------------------------------------------------------------
+# Writers
+
+
+class _Request:
+    """A unit of work for a writer thread, answered on its caller's event loop."""
+
+    __slots__ = ("future", "loop")
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.future: asyncio.Future[Any] = self.loop.create_future()
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, error)
+        except RuntimeError:  # the caller's loop is gone; nobody is waiting any more
+            logger.warning("store: a caller's event loop closed before its answer")
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class _Call(_Request):
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+
+class _Commit(_Request):
+    __slots__ = ("delete_runs", "expected", "fence", "replace", "rows", "session_id", "total")
+
+    def __init__(
+        self, *, session_id: str, fence: Fence | None, replace: bool,
+        rows: list[SessionEvent], delete_runs: tuple[Any, ...], expected: int, total: int,
+    ) -> None:
+        super().__init__()
+        self.session_id = session_id
+        self.fence = fence
+        self.replace = replace
+        self.rows = rows
+        self.delete_runs = delete_runs
+        self.expected = expected
+        self.total = total
+
+
+_STOP = object()
+
+
+def _set_prefixes(using: str, totals: list[tuple[str, int]]) -> int:
+    """One UPDATE setting ``persisted_events`` of many sessions; returns rows touched.
+
+    Raw SQL because building a ``Case(When(...))`` per session costs the ORM more than
+    the statement costs the database.
+    """
+    connection = connections[using]
+    quote = connection.ops.quote_name
+    pk_field = Session._meta.pk
+    ids = [pk_field.get_db_prep_value(uuid.UUID(key), connection) for key, _ in totals]
+    whens = " ".join(["WHEN %s THEN %s"] * len(totals))
+    marks = ", ".join(["%s"] * len(totals))
+    sql = (
+        f"UPDATE {quote(Session._meta.db_table)} SET "
+        f"{quote('persisted_events')} = CASE {quote(pk_field.column)} {whens} END, "
+        f"{quote('updated_at')} = %s WHERE {quote(pk_field.column)} IN ({marks})"
+    )
+    params: list[Any] = []
+    for db_id, (_, total) in zip(ids, totals, strict=True):
+        params += [db_id, total]
+    params.append(connection.ops.adapt_datetimefield_value(timezone.now()))
+    params += ids
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.rowcount
+
+
+class _BatchFailed(Exception):
+    """The batched form of a group commit failed; the batch is redone with savepoints."""
+
+
+def _uuid_or_none(value: Any) -> uuid.UUID | None:
+    try:
+        return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
+    except ValueError:
+        return None
+
+
+class _Writer(threading.Thread):
+    """One serial writer: a thread that owns one database connection."""
+
+    def __init__(
+        self, *, index: int, using: str, group_commit: bool, max_batch: int,
+        idle_close_seconds: float,
+    ) -> None:
+        super().__init__(name=f"sage-store-writer-{index}", daemon=True)
+        self.using = using
+        self.group_commit = group_commit
+        self.max_batch = max_batch
+        self.idle_close_seconds = idle_close_seconds
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.closed = False
+        self.transactions = 0
+        self.commits = 0
+        self.rejected = 0
+        self.largest_batch = 0
+
+    def submit(self, request: _Request) -> None:
+        if self.closed:
+            raise store_closed()
+        self.queue.put(request)
+
+    def stop(self) -> None:
+        self.closed = True
+        self.queue.put(_STOP)
+
+    def run(self) -> None:
+        try:
+            while True:
+                try:
+                    item = self.queue.get(timeout=self.idle_close_seconds)
+                except queue.Empty:
+                    # Idle: give the connection back so an idle worker holds none open.
+                    connections[self.using].close()
+                    continue
+                if item is _STOP:
+                    break
+                batch = [item]
+                stopping = False
+                if self.group_commit:
+                    # Group commit: everything already waiting joins this transaction.
+                    while len(batch) < self.max_batch:
+                        try:
+                            more = self.queue.get_nowait()
+                        except queue.Empty:
+                            break
+                        if more is _STOP:
+                            stopping = True
+                            break
+                        batch.append(more)
+                self._process(batch)
+                if stopping:
+                    break
+        finally:
+            connections[self.using].close()
+            # Anything submitted after stop() is answered, never left hanging.
+            while True:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, _Request):
+                    item.settle(error=store_closed())
+
+    def _process(self, batch: list[_Request]) -> None:
+        commits: list[_Commit] = []
+        for item in batch:
+            if isinstance(item, _Commit):
+                commits.append(item)
+                continue
+            assert isinstance(item, _Call)
+            try:
+                item.settle(result=item.fn())
+            except Exception as exc:
+                item.settle(error=exc)
+        if commits:
+            self._commit_batch(commits)
+
+    def _commit_batch(self, commits: list[_Commit]) -> None:
+        self.largest_batch = max(self.largest_batch, len(commits))
+        if len(commits) == 1:
+            # Alone in its transaction: the transaction is its savepoint.
+            self._settle_all(commits, self._in_transaction(commits, self._apply_one))
+            return
+        try:
+            outcomes = self._in_transaction(commits, self._apply_batched)
+        except _BatchFailed as failed:
+            # A statement of the batched form failed (a row nobody expected, a deadlock):
+            # redo the batch commit by commit, each in its own savepoint, so the culprit
+            # is rejected alone and the others still land.
+            logger.warning("store: batched group commit failed (%s); retrying with savepoints",
+                           failed.__cause__)
+            outcomes = self._in_transaction(commits, self._apply_savepointed)
+        self._settle_all(commits, outcomes)
+
+    def _in_transaction(
+        self, commits: list[_Commit], apply: Callable[[list[_Commit]], list[BaseException | None]]
+    ) -> list[BaseException | None]:
+        """One transaction around ``apply``; a failure of the transaction fails them all."""
+        try:
+            with transaction.atomic(using=self.using):
+                outcomes = apply(commits)
+        except _BatchFailed:
+            raise
+        except Exception as exc:
+            error = _translate(exc, commits[0].session_id if len(commits) == 1 else None)
+            if isinstance(exc, DatabaseError) and not isinstance(exc, IntegrityError):
+                # The connection may be broken; the next batch reconnects.
+                connections[self.using].close()
+            outcomes = [error] * len(commits)
+        self.transactions += 1
+        return outcomes
+
+    def _settle_all(self, commits: list[_Commit], outcomes: list[BaseException | None]) -> None:
+        # Answers go out only now: the transaction has committed (or failed).
+        for commit, outcome in zip(commits, outcomes, strict=True):
+            if outcome is None:
+                self.commits += 1
+                commit.settle(result=None)
+            else:
+                self.rejected += 1
+                commit.settle(error=outcome)
+
+    def _apply_one(self, commits: list[_Commit]) -> list[BaseException | None]:
+        self._apply(commits[0])
+        return [None]
+
+    def _apply_savepointed(self, commits: list[_Commit]) -> list[BaseException | None]:
+        outcomes: list[BaseException | None] = []
+        for commit in commits:
+            try:
+                with transaction.atomic(using=self.using):
+                    self._apply(commit)
+            except Exception as exc:
+                outcomes.append(_translate(exc, commit.session_id))
+            else:
+                outcomes.append(None)
+        return outcomes
+
+    def _apply_batched(self, commits: list[_Commit]) -> list[BaseException | None]:
+        """The whole batch in a fixed number of statements, whatever its size.
+
+        Each commit still gets its own fence check and its own prefix check: the run and
+        session rows are read under ``FOR UPDATE`` (row locks held to the commit, so the
+        check is as good as the single commit's conditional UPDATE), and a commit that
+        fails either check is left out of the writes — rejected alone.
+        """
+        using = self.using
+        outcomes: list[BaseException | None] = [None] * len(commits)
+        fenced = [(i, c.fence) for i, c in enumerate(commits) if c.fence is not None]
+        if fenced:
+            leases = {
+                str(run_id): (owner, token, status)
+                for run_id, owner, token, status in Run.objects.using(using)
+                .select_for_update()
+                .filter(pk__in=[_uuid_or_none(f.run_id) for _, f in fenced])
+                .order_by("pk")
+                .values_list("id", "lease_owner", "lease_token", "status")
+            }
+            for i, fence in fenced:
+                if leases.get(str(_uuid_or_none(fence.run_id))) != (
+                    fence.lease_owner, fence.lease_token, RunStatus.RUNNING
+                ):
+                    outcomes[i] = fence_rejected(fence.run_id)
+        live = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        if not live:
+            return outcomes
+        prefixes = {
+            str(pk): persisted
+            for pk, persisted in Session.objects.using(using)
+            .select_for_update()
+            .filter(pk__in=[commits[i].session_id for i in live])
+            .order_by("pk")
+            .values_list("id", "persisted_events")
+        }
+        for i in live:
+            if prefixes.get(commits[i].session_id) != commits[i].expected:
+                outcomes[i] = session_conflict(commits[i].session_id)
+        live = [i for i in live if outcomes[i] is None]
+        if not live:
+            return outcomes
+        try:
+            replaced = [commits[i].session_id for i in live if commits[i].replace]
+            if replaced:
+                Event.objects.using(using).filter(session_id__in=replaced).delete()
+            rows = [
+                Event(session_id=c.session_id, seq=e.seq, run_id=e.run_id, type=e.type,
+                      data=e.data, created_at=e.created_at)
+                for c in (commits[i] for i in live)
+                for e in c.rows
+            ]
+            if rows:
+                Event.objects.using(using).bulk_create(rows, batch_size=REWRITE_BATCH_SIZE)
+            for i in live:
+                for run_id in commits[i].delete_runs:
+                    Run.objects.using(using).filter(pk=run_id).delete()
+            touched = _set_prefixes(using, [(commits[i].session_id, commits[i].total)
+                                            for i in live])
+            if touched != len(live):
+                raise session_conflict("(batch)")
+        except Exception as exc:
+            raise _BatchFailed from exc
+        return outcomes
+
+    def _apply(self, commit: _Commit) -> None:
+        using = self.using
+        if commit.fence is not None:
+            check_fence(commit.fence, using=using)
+        if commit.replace:
+            # Truncation or a rewritten history: drop the old rows, write the whole one.
+            Event.objects.using(using).filter(session_id=commit.session_id).delete()
+        if commit.rows:
+            Event.objects.using(using).bulk_create(
+                [
+                    Event(
+                        session_id=commit.session_id, seq=e.seq, run_id=e.run_id, type=e.type,
+                        data=e.data, created_at=e.created_at,
+                    )
+                    for e in commit.rows
+                ],
+                batch_size=REWRITE_BATCH_SIZE,
+            )
+        # Run deletion after the event rows, before the count: the original's order.
+        for run_id in commit.delete_runs:
+            Run.objects.using(using).filter(pk=run_id).delete()
+        # Conditional on the prefix this process believes in: a writer elsewhere that
+        # moved the session on makes this commit fail instead of interleaving seqs.
+        touched = Session.objects.using(using).filter(
+            pk=commit.session_id, persisted_events=commit.expected
+        ).update(persisted_events=commit.total, updated_at=timezone.now())
+        if touched != 1:
+            raise session_conflict(commit.session_id)
+
+
+def _translate(exc: BaseException, session_id: str | None) -> BaseException:
+    if isinstance(exc, SageError):
+        return exc
+    if isinstance(exc, IntegrityError):
+        error: SageError = session_conflict(session_id or "?")
+    elif isinstance(exc, DatabaseError):
+        error = UnavailableError(
+            "store.write_failed", f"the event write failed: {exc}", retryable=True
+        )
+    else:
+        return exc
+    error.__cause__ = exc
+    return error
+
+
+# ---------------------------------------------------------------------------------------
+# Coordinator
+
+
+class _SessionState:
+    """An open session: its history and what of it is durable."""
+
+    __slots__ = ("clean", "history", "key", "persisted")
+
+    def __init__(self, key: str, history: list[SessionEvent], persisted: int, clean: int) -> None:
+        self.key = key
+        self.history = history
+        # Length of the durable prefix (what Session.persisted_events says).
+        self.persisted = persisted
+        # Length of the prefix of ``history`` known to equal the durable rows; below
+        # ``persisted`` after a truncation or a run deletion rewrote the history.
+        self.clean = clean
+
+
+class _LockEntry:
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
+def _as_draft(item: EventDraft | tuple[str, Any]) -> EventDraft:
+    if isinstance(item, EventDraft):
+        return item
+    etype, payload = item
+    return EventDraft(type=etype, payload=payload)
+
+
+class SessionStoreCoordinator:
+    """Owns the open sessions of one worker process and persists them incrementally.
+
+    ``writers`` defaults to ``settings.SAGE["SAGE_STORE_WRITERS"]``; ``group_commit=False``
+    gives every commit its own transaction (the benchmark's baseline). All methods are
+    coroutines for one event loop; the database work happens on the writer threads.
+    """
+
+    def __init__(
+        self,
+        *,
+        using: str = DEFAULT_DB_ALIAS,
+        writers: int | None = None,
+        group_commit: bool = True,
+        max_batch: int = 1024,
+        clock: Callable[[], datetime] = timezone.now,
+        max_open_sessions: int = 1024,
+        idle_close_seconds: float = 2.0,
+    ) -> None:
+        if writers is None:
+            writers = int(getattr(settings, "SAGE", {}).get("SAGE_STORE_WRITERS", 1) or 1)
+        if writers < 1 or max_batch < 1 or max_open_sessions < 1:
+            raise ValueError("writers, max_batch and max_open_sessions must be positive")
+        self.using = using
+        self.group_commit = group_commit
+        self._clock = clock
+        self._max_open = max_open_sessions
+        self._states: OrderedDict[str, _SessionState] = OrderedDict()
+        self._locks: dict[str, _LockEntry] = {}
+        self._closed = False
+        self._writers = [
+            _Writer(
+                index=i, using=using, group_commit=group_commit, max_batch=max_batch,
+                idle_close_seconds=idle_close_seconds,
+            )
+            for i in range(writers)
+        ]
+        for writer in self._writers:
+            writer.start()
+
+    # -- locking --------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def locked(self, *session_ids: Any) -> AsyncIterator[list[str]]:
+        """Hold the locks of ``session_ids``, taken in sorted order (no deadlocks).
+
+        Yields the canonical keys. Operations on a session are serialized by its lock;
+        different sessions proceed concurrently.
+        """
+        keys = sorted({session_key(s) for s in session_ids})
+        entries = []
+        for key in keys:
+            entry = self._locks.get(key)
+            if entry is None:
+                entry = self._locks[key] = _LockEntry()
+            entry.users += 1
+            entries.append(entry)
+        acquired: list[_LockEntry] = []
+        try:
+            for entry in entries:
+                await entry.lock.acquire()
+                acquired.append(entry)
+            yield keys
+        finally:
+            for entry in reversed(acquired):
+                entry.lock.release()
+            for key, entry in zip(keys, entries, strict=True):
+                entry.users -= 1
+                if entry.users == 0:
+                    del self._locks[key]
+
+    # -- writers --------------------------------------------------------------------
+
+    def _writer_for(self, key: str) -> _Writer:
+        # A session always lands on the same writer: its commits stay in order.
+        return self._writers[uuid.UUID(key).int % len(self._writers)]
+
+    async def _wait(self, request: _Request) -> Any:
+        """Wait for a writer's answer; a cancelled caller still waits for the write.
+
+        The write is shielded, so cancellation never detaches it; the cancellation is
+        re-raised by the caller once the outcome is applied (see ``_persist_locked``).
+        Returns ``(result, error, cancelled)``.
+        """
+        cancelled = False
+        while True:
+            try:
+                await asyncio.shield(request.future)
+            except asyncio.CancelledError:
+                if not request.future.done():
+                    cancelled = True
+                    continue
+                if request.future.cancelled():
+                    raise
+            except Exception:
+                pass
+            break
+        error = request.future.exception()
+        return (None if error else request.future.result()), error, cancelled
+
+    async def call_in_writer(self, session_id: Any, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on the writer thread (and connection) of ``session_id``.
+
+        Returns what ``fn`` returns and raises what it raises. For diagnostics and tests
+        (e.g. capturing the writer connection's queries).
+        """
+        if self._closed:
+            raise store_closed()
+        request = _Call(fn)
+        self._writer_for(session_key(session_id)).submit(request)
+        result, error, cancelled = await self._wait(request)
+        if cancelled:
+            raise asyncio.CancelledError
+        if error is not None:
+            raise error
+        return result
+
+    # -- opening --------------------------------------------------------------------
+
+    def _load_sync(self, key: str) -> _SessionState:
+        try:
+            persisted = Session.objects.using(self.using).values_list(
+                "persisted_events", flat=True
+            ).get(pk=key)
+        except Session.DoesNotExist:
+            raise NotFoundError("store.session_not_found", f"no session {key}") from None
+        history = [
+            SessionEvent(seq=seq, type=etype, run_id=run_id, created_at=created_at, data=data)
+            for seq, etype, run_id, created_at, data in Event.objects.using(self.using)
+            .filter(session_id=key)
+            .order_by("seq")
+            .values_list("seq", "type", "run_id", "created_at", "data")
+            .iterator(chunk_size=5000)
+        ]
+        contiguous = all(e.seq == i for i, e in enumerate(history, start=1))
+        # Rows that disagree with the counter (written by an older code path, say) make
+        # the next commit rewrite the session, which heals it.
+        clean = persisted if contiguous and len(history) == persisted else 0
+        return _SessionState(key, history, persisted, clean)
+
+    async def _open_locked(self, key: str) -> _SessionState:
+        state = self._states.get(key)
+        if state is None:
+            state = await self.call_in_writer(key, lambda: self._load_sync(key))
+            self._states[key] = state
+            self._evict()
+        else:
+            self._states.move_to_end(key)
+        return state
+
+    def _evict(self) -> None:
+        # Drop the least recently used sessions nobody is working on.
+        for key in list(self._states):
+            if len(self._states) <= self._max_open:
+                return
+            if key not in self._locks:
+                del self._states[key]
+
+    # -- persisting -----------------------------------------------------------------
+
+    async def _persist_locked(
+        self,
+        state: _SessionState,
+        *,
+        fence: Fence | None,
+        restore: Callable[[], None],
+        seqs: tuple[int, ...] = (),
+        delete_runs: tuple[Any, ...] = (),
+    ) -> CommitResult:
+        """Write what changed in ``state``; undo the in-memory change if that fails."""
+        replace = state.clean < state.persisted
+        try:
+            rows = dump_events(state.history, None if replace else state.persisted)
+        except ValidationError:
+            restore()
+            raise
+        total = len(state.history)
+        if not rows and not replace and not delete_runs:
+            # Nothing new: not one statement.
+            return CommitResult(
+                session_id=state.key, seqs=seqs, persisted_events=state.persisted, written=0,
+                replaced=False,
+            )
+        request = _Commit(
+            session_id=state.key, fence=fence, replace=replace, rows=rows,
+            delete_runs=delete_runs, expected=state.persisted, total=total,
+        )
+        try:
+            self._writer_for(state.key).submit(request)
+        except SageError:
+            restore()
+            raise
+        _, error, cancelled = await self._wait(request)
+        if error is not None:
+            restore()
+            if isinstance(error, ConflictError) and error.code == "store.session_conflict":
+                # Our idea of the durable prefix is wrong: reload on next use.
+                self._states.pop(state.key, None)
+            if cancelled:
+                raise asyncio.CancelledError from error
+            raise error
+        # Only now, after the transaction committed, does the durable prefix advance.
+        state.persisted = total
+        state.clean = total
+        result = CommitResult(
+            session_id=state.key, seqs=seqs, persisted_events=total, written=len(rows),
+            replaced=replace,
+        )
+        if cancelled:
+            raise asyncio.CancelledError
+        return result
+
+    async def _commit_locked(
+        self, key: str, *, run_id: Any, drafts: Sequence[EventDraft | tuple[str, Any]],
+        fence: Fence | None,
+    ) -> CommitResult:
+        state = await self._open_locked(key)
+        history = state.history
+        before = len(history)
+        now = self._clock()
+        for offset, item in enumerate(drafts, start=1):
+            draft = _as_draft(item)
+            history.append(
+                SessionEvent(
+                    seq=before + offset, type=draft.type, run_id=run_id, created_at=now,
+                    payload=draft.payload,
+                )
+            )
+
+        def restore() -> None:
+            del history[before:]
+
+        return await self._persist_locked(
+            state, fence=fence, restore=restore,
+            seqs=tuple(range(before + 1, len(history) + 1)),
+        )
+
+    async def commit(
+        self,
+        session_id: Any,
+        *,
+        run_id: Any = None,
+        drafts: Sequence[EventDraft | tuple[str, Any]] = (),
+        fence: Fence | None = None,
+    ) -> CommitResult:
+        """Append ``drafts`` (seqs continue the session's) and make them durable.
+
+        Only events after the persisted prefix are serialized and inserted; with nothing
+        new no statement runs. Returns once the transaction has committed. Raises
+        ``scheduler.fence_rejected`` when ``fence`` is stale, ``store.session_not_found``,
+        ``store.session_conflict`` when another process moved the session on,
+        ``store.event_not_serializable`` or ``store.write_failed``; on any of them the
+        in-memory history is as it was before the call.
+        """
+        async with self.locked(session_id) as (key,):
+            return await self._commit_locked(key, run_id=run_id, drafts=drafts, fence=fence)
+
+    async def commit_many(self, specs: Sequence[CommitSpec]) -> list[CommitResult]:
+        """Commit several sessions at once, their locks taken in sorted order.
+
+        Commits on the same writer share one transaction (each in its savepoint). Every
+        commit settles before this returns; the first error is then raised.
+        """
+        keys = [session_key(s.session_id) for s in specs]
+        if len(set(keys)) != len(keys):
+            raise ValueError("commit_many takes each session at most once")
+        async with self.locked(*keys):
+            outcomes = await asyncio.gather(
+                *(
+                    self._commit_locked(key, run_id=s.run_id, drafts=s.drafts, fence=s.fence)
+                    for key, s in zip(keys, specs, strict=True)
+                ),
+                return_exceptions=True,
+            )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return list(outcomes)  # type: ignore[arg-type]
+
+    async def truncate(
+        self, session_id: Any, *, length: int, fence: Fence | None = None
+    ) -> CommitResult:
+        """Cut the history to its first ``length`` events and persist that.
+
+        The old rows are deleted and the whole remaining history written, in one
+        transaction. Raises ``ValueError`` for a length outside ``0..len(history)`` and
+        what :meth:`commit` raises.
+        """
+        async with self.locked(session_id) as (key,):
+            state = await self._open_locked(key)
+            if not 0 <= length <= len(state.history):
+                raise ValueError(f"length must be within 0..{len(state.history)}")
+            old_history, old_clean = state.history, state.clean
+            state.history = old_history[:length]
+            state.clean = min(state.clean, length)
+
+            def restore() -> None:
+                state.history, state.clean = old_history, old_clean
+
+            return await self._persist_locked(state, fence=fence, restore=restore)
+
+    async def delete_run(
+        self, session_id: Any, run_id: Any, *, fence: Fence | None = None
+    ) -> CommitResult:
+        """Remove a run's events from the session, renumber the rest, delete the Run.
+
+        One transaction: old rows deleted, the rewritten history inserted, then the run
+        row deleted, then the session's counter — the original's order.
+        """
+        run_key = str(run_id)
+        async with self.locked(session_id) as (key,):
+            state = await self._open_locked(key)
+            old_history, old_clean = state.history, state.clean
+            first = next(
+                (i for i, e in enumerate(old_history) if str(e.run_id) == run_key),
+                len(old_history),
+            )
+            kept = old_history[:first]
+            for event in old_history[first:]:
+                if str(event.run_id) == run_key:
+                    continue
+                # Copies: the old objects must stay untouched for a restore.
+                copy = SessionEvent(
+                    seq=len(kept) + 1, type=event.type, run_id=event.run_id,
+                    created_at=event.created_at, payload=event._payload, data=event.data,
+                )
+                kept.append(copy)
+            state.history = kept
+            state.clean = min(state.clean, first)
+
+            def restore() -> None:
+                state.history, state.clean = old_history, old_clean
+
+            return await self._persist_locked(
+                state, fence=fence, restore=restore, delete_runs=(run_id,)
+            )
+
+    # -- reading --------------------------------------------------------------------
+
+    async def history(self, session_id: Any) -> list[SessionEvent]:
+        """The session's current history (a new list of the shared event objects)."""
+        async with self.locked(session_id) as (key,):
+            return list((await self._open_locked(key)).history)
+
+    async def persisted_events(self, session_id: Any) -> int:
+        """The durable prefix length this coordinator knows for the session."""
+        async with self.locked(session_id) as (key,):
+            return (await self._open_locked(key)).persisted
+
+    async def forget(self, session_id: Any) -> None:
+        """Drop the session's in-memory state; the next use reloads it."""
+        async with self.locked(session_id) as (key,):
+            self._states.pop(key, None)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters: open sessions, writers, transactions, commits, rejected, largest batch."""
+        return {
+            "open_sessions": len(self._states),
+            "writers": len(self._writers),
+            "group_commit": self.group_commit,
+            "transactions": sum(w.transactions for w in self._writers),
+            "commits": sum(w.commits for w in self._writers),
+            "rejected": sum(w.rejected for w in self._writers),
+            "largest_batch": max(w.largest_batch for w in self._writers),
+        }
+
+    async def close(self) -> None:
+        """Stop the writers after the work already queued; waits for the threads."""
+        self.close_nowait()
+        await asyncio.to_thread(self._join)
+
+    def close_nowait(self) -> None:
+        """Ask the writers to stop after the queued work, without waiting."""
+        if self._closed:
+            return
+        self._closed = True
+        for writer in self._writers:
+            writer.stop()
+
+    def _join(self) -> None:
+        for writer in self._writers:
+            writer.join()
+
+
+# ---------------------------------------------------------------------------------------
+# Lease fencing
+
+
+FenceProvider = Callable[[Any], "Fence | Awaitable[Fence | None] | None"]
+
+
+class LeaseFencedSessionStore:
+    """The coordinator with every write carrying its run's current lease fence.
+
+    ``fence_provider(run_id)`` (sync or async) returns the run's current :class:`Fence`,
+    or ``None`` when this worker holds no lease for it, which fails the write with
+    ``scheduler.worker_lease_required``. Other attributes pass through.
+    """
+
+    capabilities = {"requires_worker_fence": True, "atomic_worker_fence": True}
+
+    def __init__(self, coordinator: SessionStoreCoordinator, fence_provider: FenceProvider) -> None:
+        self._coordinator = coordinator
+        self._fence_provider = fence_provider
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._coordinator, name)
+
+    async def fence_for(self, run_id: Any) -> Fence:
+        """The run's current fence; raises ``scheduler.worker_lease_required`` without one."""
+        fence = self._fence_provider(run_id)
+        if inspect.isawaitable(fence):
+            fence = await fence
+        if fence is None:
+            raise worker_lease_required(run_id)
+        return fence
+
+    async def commit(
+        self, session_id: Any, *, run_id: Any,
+        drafts: Sequence[EventDraft | tuple[str, Any]] = (),
+    ) -> CommitResult:
+        """:meth:`SessionStoreCoordinator.commit` fenced by ``run_id``'s lease."""
+        fence = await self.fence_for(run_id)
+        return await self._coordinator.commit(session_id, run_id=run_id, drafts=drafts, fence=fence)
+
+    async def commit_many(self, specs: Sequence[CommitSpec]) -> list[CommitResult]:
+        """:meth:`SessionStoreCoordinator.commit_many`, each spec fenced by its run."""
+        fenced = []
+        for spec in specs:
+            fence = await self.fence_for(spec.run_id)
+            fenced.append(
+                CommitSpec(session_id=spec.session_id, run_id=spec.run_id, drafts=spec.drafts,
+                           fence=fence)
+            )
+        return await self._coordinator.commit_many(fenced)
+
+    async def truncate(self, session_id: Any, *, run_id: Any, length: int) -> CommitResult:
+        """:meth:`SessionStoreCoordinator.truncate` fenced by ``run_id``'s lease."""
+        fence = await self.fence_for(run_id)
+        return await self._coordinator.truncate(session_id, length=length, fence=fence)
+
+    async def delete_run(self, session_id: Any, run_id: Any, *, by_run_id: Any) -> CommitResult:
+        """:meth:`SessionStoreCoordinator.delete_run` fenced by ``by_run_id``'s lease."""
+        fence = await self.fence_for(by_run_id)
+        return await self._coordinator.delete_run(session_id, run_id, fence=fence)
+
+
+# ---------------------------------------------------------------------------------------
+# The process default and the executor's entry point
+
+
+_default: SessionStoreCoordinator | None = None
+_default_loop: asyncio.AbstractEventLoop | None = None
+
+
+def get_default_coordinator() -> SessionStoreCoordinator:
+    """The process's coordinator for the running event loop (created on first use).
+
+    A coordinator's locks and futures belong to one loop; when the loop changes (a new
+    ``asyncio.run``), the old coordinator is stopped and a new one made.
+    """
+    global _default, _default_loop
+    loop = asyncio.get_running_loop()
+    if _default is None or _default_loop is not loop or _default._closed:
+        if _default is not None:
+            _default.close_nowait()
+        _default = SessionStoreCoordinator()
+        _default_loop = loop
+    return _default
+
+
+async def close_default_coordinator() -> None:
+    """Stop the process default coordinator (worker shutdown, test teardown)."""
+    global _default, _default_loop
+    coordinator, _default, _default_loop = _default, None, None
+    if coordinator is not None:
+        await coordinator.close()
+
+
+async def append_events(
+    *, session_id: Any, run_id: Any, events: Sequence[tuple[str, Any]], fence: Fence | None = None
+) -> list[int]:
+    """Commit ``events`` after the session's persisted prefix, fenced by ``fence``.
+
+    Returns the seqs written. Raises ``scheduler.fence_rejected`` (and writes nothing)
+    when the run's lease has moved on. Goes through the process default coordinator.
+    """
+    if not events:
+        return []
+    coordinator = get_default_coordinator()
+    try:
+        result = await coordinator.commit(session_id, run_id=run_id, drafts=events, fence=fence)
+    except ConflictError as exc:
+        if exc.code != "store.session_conflict":
+            raise
+        # Someone else appended (the coordinator dropped its copy): reload and retry once.
+        result = await coordinator.commit(session_id, run_id=run_id, drafts=events, fence=fence)
+    return list(result.seqs)
