@@ -6,8 +6,12 @@ scoped to its owner, so another user's object answers 404.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
+from asgiref.sync import sync_to_async
+from django.http import StreamingHttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
@@ -22,9 +26,14 @@ from agents.models import ManagedAgentRecord
 from sageproject.api import StrictFieldsMixin
 from sageproject.errors import NotFoundError
 from scheduling.models import Event, Run, Session, SessionKind, WorkerSnapshot
+from scheduling.serialization import event_json, export_session_lines
 
 EVENTS_DEFAULT_LIMIT = 100
 EVENTS_MAX_LIMIT = 200
+STREAM_DEFAULT_SECONDS = 30
+STREAM_MAX_SECONDS = 300
+STREAM_POLL_SECONDS = 0.25
+STREAM_KEEPALIVE_SECONDS = 15
 
 
 # --- serializers ---------------------------------------------------------------------
@@ -174,6 +183,83 @@ class SessionViewSet(
             base = reverse("session-events", args=[session.pk], request=request)
             next_url = f"{base}?after={rows[-1].seq}&limit={limit}"
         return Response({"results": EventSerializer(rows, many=True).data, "next": next_url})
+
+    @extend_schema(responses={(200, "application/x-ndjson"): bytes})
+    @action(detail=True, methods=["get"])
+    def export(self, request: Request, pk: str | None = None) -> StreamingHttpResponse:
+        """The complete history as JSON Lines (header, runs, events; fork bases included)."""
+        session = self.get_object()
+        response = StreamingHttpResponse(
+            export_session_lines(session), content_type="application/x-ndjson"
+        )
+        response["Content-Disposition"] = f'attachment; filename="session-{session.pk}.jsonl"'
+        return response
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter(
+                "after", int, description="Start after this seq (or send Last-Event-ID)."
+            ),
+            OpenApiParameter(
+                "timeout",
+                int,
+                description=f"Seconds to keep the stream open, "
+                f"1..{STREAM_MAX_SECONDS} (default {STREAM_DEFAULT_SECONDS}); "
+                "reconnect with Last-Event-ID to continue.",
+            ),
+        ],
+        responses={(200, "text/event-stream"): bytes},
+    )
+    @action(detail=True, methods=["get"])
+    def stream(self, request: Request, pk: str | None = None) -> StreamingHttpResponse:
+        """Durable events as Server-Sent Events (``id`` = seq), resumable by Last-Event-ID."""
+        session = self.get_object()
+        last = request.headers.get("Last-Event-ID")
+        after = _int_param(request, "after", 0, minimum=0)
+        if last and last.isdigit():
+            after = max(after, int(last))
+        timeout = _int_param(
+            request, "timeout", STREAM_DEFAULT_SECONDS, minimum=1, maximum=STREAM_MAX_SECONDS
+        )
+        response = StreamingHttpResponse(
+            _event_stream(session.pk, after, timeout), content_type="text/event-stream"
+        )
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"
+        return response
+
+
+
+
+def _events_after(session_id: Any, after: int, limit: int = 200) -> list[Event]:
+    return list(Event.objects.filter(session_id=session_id, seq__gt=after).order_by("seq")[:limit])
+
+
+async def _event_stream(session_id: Any, after: int, seconds: float) -> AsyncIterator[bytes]:
+    """Poll the durable events; the database is the source of truth for every process."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    quiet_since = loop.time()
+    yield b"retry: 1000\n\n"
+    while loop.time() < deadline:
+        rows = await sync_to_async(_events_after, thread_sensitive=False)(session_id, after)
+        for row in rows:
+            body = event_json(
+                seq=row.seq,
+                type=row.type,
+                run_id=row.run_id,
+                created_at=row.created_at,
+                data=row.data,
+            )
+            yield b"id: %d\nevent: %s\ndata: %s\n\n" % (row.seq, row.type.encode(), body)
+            after = row.seq
+        if rows:
+            quiet_since = loop.time()
+            continue
+        if loop.time() - quiet_since > STREAM_KEEPALIVE_SECONDS:
+            quiet_since = loop.time()
+            yield b": keep-alive\n\n"
+        await asyncio.sleep(STREAM_POLL_SECONDS)
 
 
 def _int_param(

@@ -265,3 +265,45 @@ def test_it_answers_unknown_urls_with_the_envelope(alice_api):
     response = alice_api.get("/api/v1/nothing-here/")
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "not_found"
+
+
+def test_it_exports_a_session_as_json_lines(alice, alice_api, alice_session):
+    import orjson
+
+    run, _ = services.run_submit(owner=alice, session_id=alice_session.pk, input="x")
+    Event.objects.create(session=alice_session, seq=1, run=run, type="message.completed",
+                         data='{"role": "user", "content": "hi"}')
+    response = alice_api.get(f"/api/v1/sessions/{alice_session.pk}/export/")
+    assert response.status_code == 200
+    assert response["Content-Type"] == "application/x-ndjson"
+    lines = [orjson.loads(line) for line in b"".join(response.streaming_content).splitlines()]
+    assert len(lines) >= 2
+    assert any("hi" in str(line) for line in lines)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_streams_events_as_server_sent_events(alice, alice_api, alice_session):
+    import asyncio
+
+    run, _ = services.run_submit(owner=alice, session_id=alice_session.pk, input="x")
+    for seq in (1, 2, 3):
+        Event.objects.create(session=alice_session, seq=seq, run=run, type="message.completed",
+                             data=f'{{"n": {seq}}}')
+    response = alice_api.get(f"/api/v1/sessions/{alice_session.pk}/stream/",
+                             {"timeout": 1}, HTTP_LAST_EVENT_ID="1")
+    assert response.status_code == 200
+    assert response["Content-Type"] == "text/event-stream"
+
+    async def collect() -> bytes:
+        return b"".join([chunk async for chunk in response.streaming_content])
+
+    body = asyncio.run(collect())
+    assert b"id: 2\nevent: message.completed\n" in body
+    assert b"id: 3\n" in body
+    assert b"id: 1\n" not in body  # resumed after Last-Event-ID
+
+
+def test_it_hides_another_users_export_and_stream(bob_api, alice_session):
+    for url in (f"/api/v1/sessions/{alice_session.pk}/export/",
+                f"/api/v1/sessions/{alice_session.pk}/stream/"):
+        assert bob_api.get(url).status_code == 404
