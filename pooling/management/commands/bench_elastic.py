@@ -71,16 +71,16 @@ def build_trace(*, seed: int = 7, scale: float = 1.0) -> list[Request]:
         nonlocal clock
         clock += seconds * scale
 
-    trickle(1.5, 12.0)
+    trickle(1.5, 25.0)
     burst(10, 0.2)
-    trickle(1.0, 12.0)
+    trickle(1.0, 25.0)
     quiet(1.0)
-    trickle(1.5, 12.0)
+    trickle(1.5, 25.0)
     burst(8, 0.2)
-    trickle(0.8, 12.0)
+    trickle(0.8, 25.0)
     burst(8, 0.2)
     quiet(0.8)
-    trickle(1.0, 12.0)
+    trickle(1.0, 25.0)
     return sorted(requests, key=lambda r: r.at)
 
 
@@ -249,6 +249,7 @@ async def _replay(
         "boot_ms": round(boot * 1000, 2),
         "boots": len(tracker.boot_seconds),
         "in_pool_boot_ms": round(statistics.fmean(tracker.boot_seconds) * 1000, 2),
+        "in_pool_boot_p99_ms": round(_percentile(tracker.boot_seconds, 0.99) * 1000, 2),
         "created_after_two_rounds": after,
         "floor": floor,
         "at_floor": after == floor,
@@ -294,8 +295,12 @@ async def run_benchmark_async(
                 "states": states,
                 "boot_ms": ours["boot_ms"],
                 "in_pool_boot_ms": ours["in_pool_boot_ms"],
+                "in_pool_boot_p99_ms": ours["in_pool_boot_p99_ms"],
                 "p99_gap_ms": round(gap, 2),
+                # The done-when check, strict: against one uncontended boot.
                 "p99_within_one_boot": gap <= ours["boot_ms"],
+                # Context: against the slowest boots the pool itself saw during the trace.
+                "p99_within_one_in_pool_boot_p99": gap <= ours["in_pool_boot_p99_ms"],
                 "resident_ratio": round(ours["avg_resident"] / pre["avg_resident"], 3),
                 "resident_at_most_25pct": ours["avg_resident"] <= 0.25 * pre["avg_resident"],
                 "all_at_floor": all(line["at_floor"] for line in by_name.values()),
