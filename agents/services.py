@@ -9,16 +9,19 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from agents.models import ManagedAgentRecord
-from agents.packages import package_resolve
+from agents.models import AgentPackage, ManagedAgentRecord
+from agents.packages import package_resolve, package_validate, strict_mode
+from sageproject.dblocks import named_lock
 from sageproject.errors import (
     ConflictError,
+    ErrorCategory,
     NotFoundError,
     RateLimitedError,
+    SageError,
     ValidationError,
 )
 from scheduling.models import Run, RunQueue, RunStatus, Session, SessionKind
@@ -27,12 +30,15 @@ from scheduling.models import Run, RunQueue, RunStatus, Session, SessionKind
 def session_create(
     *, owner, package: str, agent: str, kind: str = SessionKind.MASTER, title: str = ""
 ) -> Session:
-    """Open a session on the owner's package and one of its agents."""
+    """Open a session on the owner's package and one of its agents (or flows: a run of a
+    flow session runs that flow)."""
     pkg = package_resolve(owner=owner, name_or_ref=package)
-    if agent not in (pkg.manifest.get("agents") or {}):
+    if agent not in (pkg.manifest.get("agents") or {}) and agent not in (
+        pkg.manifest.get("flows") or {}
+    ):
         raise ValidationError(
             "session.agent_not_found",
-            f"package {pkg.name!r} has no agent {agent!r}",
+            f"package {pkg.name!r} has no agent or flow {agent!r}",
             details={"fields": {"agent": [f"unknown agent {agent!r}"]}},
         )
     return Session.objects.create(
@@ -67,32 +73,33 @@ def run_submit(
 
     A repeated ``idempotency_key`` answers the run it created first. Raises
     ``scheduler.queue_full`` (429) when the host already holds its pending limit.
+    Admission is serialized by a database lock, so concurrent submissions never exceed
+    the limit, never lose a run and never create two runs for one key.
     """
-    if idempotency_key:
-        existing = Run.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
-        if existing is not None:
-            return existing, False
     session = Session.objects.filter(pk=session_id, owner=owner).first()
     if session is None:
         raise NotFoundError("session.not_found", "session not found")
+    if strict_mode():
+        package = AgentPackage.objects.filter(owner=owner, ref=session.package_ref).first()
+        if package is None:
+            raise NotFoundError("package.not_found", "the session's package version is gone")
+        package_validate(owner=owner, package=package, strict=True)
     limit = settings.SAGE["SAGE_SERVER_MAX_PENDING_RUNS"]
-    if Run.objects.filter(status=RunStatus.QUEUED, parent__isnull=True).count() >= limit:
-        raise queue_full_error(limit)
-    try:
-        with transaction.atomic():
-            run = Run.objects.create(
-                session=session,
-                owner=owner,
-                input=input,
-                idempotency_key=idempotency_key or None,
-                queue=queue,
-                priority=priority,
-            )
-    except IntegrityError:
-        existing = Run.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
-        if existing is None:
-            raise
-        return existing, False
+    with named_lock("sage.run_admission"):
+        if idempotency_key:
+            existing = Run.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
+            if existing is not None:
+                return existing, False
+        if Run.objects.filter(status=RunStatus.QUEUED, parent__isnull=True).count() >= limit:
+            raise queue_full_error(limit)
+        run = Run.objects.create(
+            session=session,
+            owner=owner,
+            input=input,
+            idempotency_key=idempotency_key or None,
+            queue=queue,
+            priority=priority,
+        )
     return run, True
 
 
@@ -183,14 +190,35 @@ def archive_terminal(run: Run) -> ManagedAgentRecord:
     return record
 
 
+# Membership in this group revokes a user's permission to read run results (archived or
+# not). Operators add a user to it in the admin; removing them restores access.
+READ_REVOKED_GROUP = "sage-read-revoked"
+
+
+def check_read_permission(user) -> None:
+    """Raise ``run.read_forbidden`` (403) unless ``user`` may currently read results.
+
+    Checked on every read, archived results included: a permission revoked after the run
+    finished still denies. A user may read while active and not in ``READ_REVOKED_GROUP``.
+    """
+    if not user.is_active or user.groups.filter(name=READ_REVOKED_GROUP).exists():
+        raise SageError(
+            "run.read_forbidden",
+            "your permission to read run results has been revoked",
+            category=ErrorCategory.AUTHORIZATION,
+        )
+
+
 def archive_read(*, user, run_id: Any) -> ManagedAgentRecord:
-    """An archived result, checked against ownership first (another user's → 404)."""
+    """An archived result, checked against ownership first (another user's → 404), then
+    the caller's current read permission (revoked → 403)."""
     query = ManagedAgentRecord.objects.select_related("run")
     if not user.is_staff:
         query = query.filter(owner=user)
     record = query.filter(run_id=run_id).first()
     if record is None:
         raise NotFoundError("archive.not_found", "no archived result for that run")
+    check_read_permission(user)
     return record
 
 
