@@ -1,45 +1,202 @@
+"""Admin for operators: packages (validate), readiness reports (what is missing, at a
+glance), terminal archives (read-only) and release requests the worker answers.
+
+Every action calls the same functions as the API and the management commands
+(``agents.packages``, ``agents.reclamations``); nothing here holds domain logic.
+"""
+
 from __future__ import annotations
 
-from django.contrib import admin
+from typing import Any
 
+from django import forms
+from django.contrib import admin, messages
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils.html import format_html, format_html_join
+
+from agents import packages
 from agents.models import (
     AgentPackage,
     ManagedAgentRecord,
     ReadinessReport,
     ReclamationRequest,
 )
+from agents.reclamations import reclamation_create
+from sageproject.errors import SageError
+
+
+def _validate(
+    modeladmin: admin.ModelAdmin, request: HttpRequest, rows: list[AgentPackage], *, strict: bool
+) -> None:
+    """Validate each package (a report is stored either way) and say what was found."""
+    for package in rows:
+        try:
+            body = packages.package_validate(
+                owner=package.owner, package=package, readiness=True, strict=strict
+            )
+        except SageError as exc:
+            modeladmin.message_user(
+                request, f"{package}: {exc.code}: {exc.message}", level=messages.ERROR
+            )
+            continue
+        readiness = body["readiness"] or {}
+        if readiness.get("ready"):
+            modeladmin.message_user(request, f"{package}: valid and ready", messages.SUCCESS)
+        else:
+            modeladmin.message_user(
+                request,
+                f"{package}: valid but not ready ({_missing_summary(readiness.get('agents', {}))})",
+                level=messages.WARNING,
+            )
+
+
+def _missing_summary(agents: dict[str, Any]) -> str:
+    parts = []
+    for agent_id, report in agents.items():
+        what = []
+        if report.get("missing_tools"):
+            what.append("tools " + ", ".join(report["missing_tools"]))
+        if report.get("missing_skills"):
+            what.append("skills " + ", ".join(report["missing_skills"]))
+        if report.get("missing_model"):
+            what.append(f"model {report['missing_model']}")
+        if report.get("unverified"):
+            what.append(f"{len(report['unverified'])} unverified")
+        if what:
+            parts.append(f"{agent_id}: {'; '.join(what)}")
+    return " | ".join(parts) or "nothing missing"
 
 
 @admin.register(AgentPackage)
 class AgentPackageAdmin(admin.ModelAdmin):
-    list_display = ["name", "version", "owner", "active", "short_ref", "created_at"]
-    list_filter = ["active", "name"]
+    list_display = ["name", "version", "owner", "active", "short_ref", "readiness", "created_at"]
+    list_filter = ["active", "name", "owner"]
     search_fields = ["name", "version", "ref", "owner__username"]
     readonly_fields = ["owner", "name", "version", "ref", "manifest", "files", "created_at"]
+    actions = ["validate_packages", "validate_packages_strictly", "release_selected"]
 
     def has_add_permission(self, request, obj=None) -> bool:
-        return False  # packages are created from manifests (API or validate_package)
+        return False  # packages are created from manifests (API or validate_package --save)
 
     @admin.display(description="ref")
     def short_ref(self, obj: AgentPackage) -> str:
         return obj.ref[:12]
 
+    @admin.display(description="last readiness")
+    def readiness(self, obj: AgentPackage) -> str:
+        report = obj.reports.order_by("-checked_at").first()
+        if report is None:
+            return "—"
+        return _ready_badge(report.ready)
+
+    @admin.action(description="Validate (readiness report)")
+    def validate_packages(self, request: HttpRequest, queryset) -> None:
+        _validate(self, request, list(queryset.select_related("owner")), strict=False)
+
+    @admin.action(description="Validate strictly (refuse when anything is missing)")
+    def validate_packages_strictly(self, request: HttpRequest, queryset) -> None:
+        _validate(self, request, list(queryset.select_related("owner")), strict=True)
+
+    @admin.action(description="Release selected (only if safe)")
+    def release_selected(self, request: HttpRequest, queryset) -> HttpResponse:
+        refs = sorted(set(queryset.values_list("ref", flat=True)))
+        row = reclamation_create(
+            user=request.user,
+            scope=ReclamationRequest.Scope.SELECTED,
+            refs=refs,
+            min_idle_seconds=0,
+            limit=len(refs),
+        )
+        self.message_user(
+            request,
+            f"Reclamation #{row.pk} requested for {len(refs)} package version(s); the worker "
+            "answers within a few seconds.",
+            messages.SUCCESS,
+        )
+        return HttpResponseRedirect(
+            reverse("admin:agents_reclamationrequest_change", args=[row.pk])
+        )
+
+
+def _ready_badge(ready: bool) -> str:
+    colour, text = ("#2e7d32", "ready") if ready else ("#ba2121", "not ready")
+    return format_html('<strong style="color: {}">{}</strong>', colour, text)
+
+
+def _items(values: list[str]) -> str:
+    if not values:
+        return format_html('<span style="color: {}">none</span>', "#2e7d32")
+    return format_html(
+        '<ul style="margin: 0; padding-left: 1.2em; color: #ba2121">{}</ul>',
+        format_html_join("", "<li>{}</li>", ((v,) for v in values)),
+    )
+
 
 @admin.register(ReadinessReport)
 class ReadinessReportAdmin(admin.ModelAdmin):
-    list_display = ["package", "valid", "ready", "strict", "checked_at"]
+    list_display = ["package", "owner", "valid", "ready", "strict", "missing", "checked_at"]
     list_filter = ["valid", "ready", "strict"]
     search_fields = ["package__name"]
-    readonly_fields = ["package", "checked_at", "valid", "ready", "strict", "agents", "error"]
+    readonly_fields = ["package", "checked_at", "valid", "ready", "strict", "agents_table"]
+    exclude = ["agents", "error"]
+    actions = ["revalidate"]
 
     def has_add_permission(self, request, obj=None) -> bool:
         return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).select_related("package", "package__owner")
+
+    @admin.display(description="owner")
+    def owner(self, obj: ReadinessReport) -> str:
+        return obj.package.owner.username
+
+    @admin.display(description="what is missing")
+    def missing(self, obj: ReadinessReport) -> str:
+        return _missing_summary(obj.agents or {})
+
+    @admin.display(description="agents")
+    def agents_table(self, obj: ReadinessReport) -> str:
+        """One row per agent: missing tools, missing skills, unverified, model; red/green."""
+        rows = format_html_join(
+            "",
+            "<tr><td><strong>{}</strong></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
+            "<td>{}</td></tr>",
+            (
+                (
+                    agent_id,
+                    _ready_badge(bool(report.get("ready"))),
+                    _items(report.get("missing_tools") or []),
+                    _items(report.get("missing_skills") or []),
+                    _items(report.get("unverified") or []),
+                    _items([report["missing_model"]] if report.get("missing_model") else []),
+                )
+                for agent_id, report in (obj.agents or {}).items()
+            ),
+        )
+        return format_html(
+            '<table class="readiness-table"><thead><tr><th>Agent</th><th>Status</th>'
+            "<th>Missing tools</th><th>Missing skills</th><th>Unverified bindings</th>"
+            "<th>Missing model record</th></tr></thead><tbody>{}</tbody></table>",
+            rows,
+        )
+
+    @admin.action(description="Re-validate (store a fresh report)")
+    def revalidate(self, request: HttpRequest, queryset) -> None:
+        package_ids = set(queryset.values_list("package_id", flat=True))
+        rows = list(AgentPackage.objects.filter(pk__in=package_ids).select_related("owner"))
+        _validate(self, request, rows, strict=False)
 
 
 @admin.register(ManagedAgentRecord)
 class ManagedAgentRecordAdmin(admin.ModelAdmin):
     list_display = ["run", "owner", "package_name", "agent_id", "status", "archived_at"]
-    list_filter = ["status", "package_name"]
+    list_filter = ["status", "owner", "package_name"]
     search_fields = ["run__id", "owner__username", "package_name", "agent_id"]
     readonly_fields = [
         "run",
@@ -61,6 +218,13 @@ class ManagedAgentRecordAdmin(admin.ModelAdmin):
         return False
 
 
+class ReleaseIdleForm(forms.Form):
+    min_idle_seconds = forms.IntegerField(
+        label="Minimum idle time (seconds)", min_value=0, max_value=86_400, initial=300
+    )
+    limit = forms.IntegerField(label="Release at most", min_value=1, max_value=1000, initial=4)
+
+
 @admin.register(ReclamationRequest)
 class ReclamationRequestAdmin(admin.ModelAdmin):
     list_display = [
@@ -69,9 +233,75 @@ class ReclamationRequestAdmin(admin.ModelAdmin):
         "min_idle_seconds",
         "limit",
         "status",
+        "answer",
         "requested_by",
         "created_at",
         "finished_at",
     ]
     list_filter = ["status", "scope"]
-    readonly_fields = ["status", "outcome", "requested_by", "created_at", "finished_at"]
+    readonly_fields = [
+        "scope",
+        "refs",
+        "min_idle_seconds",
+        "limit",
+        "status",
+        "answer",
+        "outcome",
+        "requested_by",
+        "created_at",
+        "finished_at",
+    ]
+    change_list_template = "admin/agents/reclamationrequest/change_list.html"
+    change_form_template = "admin/agents/reclamationrequest/change_form.html"
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False  # requests come from "Release idle (safe)" and "Release selected"
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    @admin.display(description="answer")
+    def answer(self, obj: ReclamationRequest) -> str:
+        if obj.status == "pending":
+            return "waiting for the worker…"
+        return str((obj.outcome or {}).get("message", ""))
+
+    def get_urls(self):
+        return [
+            path(
+                "release-idle/",
+                self.admin_site.admin_view(self.release_idle_view),
+                name="agents_reclamationrequest_release_idle",
+            ),
+            *super().get_urls(),
+        ]
+
+    def release_idle_view(self, request: HttpRequest) -> HttpResponse:
+        """The intermediate form of "Release idle (safe)": minimum idle time and limit."""
+        if not request.user.is_staff:
+            return HttpResponseRedirect(reverse("admin:login"))
+        form = ReleaseIdleForm(request.POST or None)
+        if request.method == "POST" and form.is_valid():
+            row = reclamation_create(
+                user=request.user,
+                scope=ReclamationRequest.Scope.IDLE,
+                min_idle_seconds=form.cleaned_data["min_idle_seconds"],
+                limit=form.cleaned_data["limit"],
+            )
+            self.message_user(
+                request,
+                f"Reclamation #{row.pk} requested; the worker answers within a few seconds.",
+                messages.SUCCESS,
+            )
+            return HttpResponseRedirect(
+                reverse("admin:agents_reclamationrequest_change", args=[row.pk])
+            )
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Release idle Applications (safe)",
+            "form": form,
+            "opts": self.model._meta,
+        }
+        return TemplateResponse(
+            request, "admin/agents/reclamationrequest/release_idle.html", context
+        )

@@ -24,7 +24,7 @@ from rest_framework.views import APIView
 from agents import services
 from agents.models import ManagedAgentRecord
 from sageproject.api import StrictFieldsMixin
-from sageproject.errors import NotFoundError
+from sageproject.errors import NotFoundError, SageError
 from scheduling.models import Event, Run, Session, SessionKind, WorkerSnapshot
 from scheduling.serialization import event_json, export_session_lines
 
@@ -355,7 +355,7 @@ class ArchiveViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
         try:
             record = services.archive_read(user=request.user, run_id=run_id)
         except Exception as exc:
-            if isinstance(exc, NotFoundError):
+            if isinstance(exc, SageError):  # not found, or read permission revoked (403)
                 raise
             raise NotFoundError("archive.not_found", "no archived result for that run") from None
         return Response(ArchiveSerializer(record).data)

@@ -1,22 +1,46 @@
-"""REST: agent packages (create from a manifest, list, get)."""
+"""REST: agent packages (create, list, get, validate, activate, fork) and operator
+reclamation requests (staff)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from agents import packages, services
-from agents.models import AgentPackage
+from agents.models import AgentPackage, ReclamationRequest
+from agents.reclamations import reclamation_create
 from sageproject.api import StrictFieldsMixin
+from sageproject.errors import NotFoundError
 
 
 class PackageCreateSerializer(StrictFieldsMixin, serializers.Serializer):
     manifest = serializers.JSONField(help_text="The package manifest (DESIGN §4).")
     activate = serializers.BooleanField(default=True)
+
+
+class PackageValidateSerializer(StrictFieldsMixin, serializers.Serializer):
+    strict = serializers.BooleanField(
+        required=False, help_text="Refuse (package.not_ready) when anything is missing."
+    )
+
+
+class PackageActivateSerializer(StrictFieldsMixin, serializers.Serializer):
+    expected_ref = serializers.CharField(
+        max_length=64,
+        allow_null=True,
+        required=True,
+        help_text="The ref you believe is active now (null when none is).",
+    )
+
+
+class PackageForkSerializer(StrictFieldsMixin, serializers.Serializer):
+    version = serializers.CharField(max_length=50)
 
 
 class PackageSerializer(serializers.ModelSerializer):
@@ -25,27 +49,162 @@ class PackageSerializer(serializers.ModelSerializer):
         fields = ["id", "name", "version", "ref", "active", "manifest", "files", "created_at"]
 
 
+def _body(result: dict[str, Any]) -> dict[str, Any]:
+    """A save result as JSON: the validation report plus the stored package."""
+    package = result["package"]
+    return {
+        **PackageSerializer(package).data,
+        **{k: v for k, v in result.items() if k not in ("package", "agents", "name", "version")},
+        "agent_ids": result["agents"],
+    }
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).lower() in {"1", "true", "yes", "on"}
+
+
 class PackageViewSet(
     mixins.CreateModelMixin,
     mixins.ListModelMixin,
     mixins.RetrieveModelMixin,
     viewsets.GenericViewSet,
 ):
-    """Agent packages you own. A version is immutable; saving it again is a no-op."""
+    """Agent packages you own. A version is immutable; saving it again is a no-op
+    (``reused: true``; in strict mode after a full revalidation)."""
 
     serializer_class = PackageSerializer
 
     def get_queryset(self):
         return services.scoped(AgentPackage.objects.all(), self.request.user)
 
+    @extend_schema(
+        parameters=[OpenApiParameter("page_size", int, description="1..100 (default 50).")]
+    )
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        packages.check_limit(request.query_params.get("page_size"), name="page_size")
+        return super().list(request, *args, **kwargs)
+
     @extend_schema(request=PackageCreateSerializer, responses={201: PackageSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = PackageCreateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        package, created = packages.package_create(
+        result = packages.package_save(
             owner=request.user,
             manifest=data.validated_data["manifest"],
             activate=data.validated_data["activate"],
         )
-        body = {**PackageSerializer(package).data, "reused": not created}
-        return Response(body, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+        code = status.HTTP_200_OK if result["reused"] else status.HTTP_201_CREATED
+        return Response(_body(result), status=code)
+
+    @extend_schema(
+        request=PackageValidateSerializer,
+        parameters=[OpenApiParameter("strict", bool, description="Same as the body flag.")],
+        responses={200: dict},
+    )
+    @action(detail=True, methods=["post"])
+    def validate(self, request: Request, pk: str | None = None) -> Response:
+        """Re-check the saved version's tools, skills and model records now; the report is
+        stored. Strict (``?strict=1`` or ``{"strict": true}``) answers 400
+        ``package.not_ready`` listing what is missing."""
+        package = self._own(pk)
+        data = PackageValidateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        strict = data.validated_data.get("strict")
+        if strict is None and "strict" in request.query_params:
+            strict = _truthy(request.query_params["strict"])
+        report = packages.package_validate(
+            owner=request.user, package=package, readiness=True, strict=bool(strict)
+        )
+        return Response(report)
+
+    @extend_schema(request=PackageActivateSerializer, responses={200: dict})
+    @action(detail=True, methods=["post"])
+    def activate(self, request: Request, pk: str | None = None) -> Response:
+        """Make this version the active one; ``expected_ref`` must name the current one
+        (409 ``package.active_conflict`` otherwise)."""
+        package = self._own(pk)
+        data = PackageActivateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        result = packages.package_activate(
+            owner=request.user, package=package, expected_ref=data.validated_data["expected_ref"]
+        )
+        return Response(result)
+
+    @extend_schema(request=PackageForkSerializer, responses={201: PackageSerializer})
+    @action(detail=True, methods=["post"])
+    def fork(self, request: Request, pk: str | None = None) -> Response:
+        """Copy this version under a new version number (a new immutable ref)."""
+        package = self._own(pk)
+        data = PackageForkSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        result = packages.package_fork(
+            owner=request.user, package=package, version=data.validated_data["version"]
+        )
+        code = status.HTTP_200_OK if result["reused"] else status.HTTP_201_CREATED
+        return Response(_body(result), status=code)
+
+    def _own(self, pk: str | None) -> AgentPackage:
+        # Owner-scoped even for staff: validating, activating and forking act as the owner.
+        package = AgentPackage.objects.filter(pk=pk, owner=self.request.user).first()
+        if package is None:
+            raise NotFoundError("package.not_found", "agent package not found in caller scope")
+        return package
+
+
+# --- reclamations ---------------------------------------------------------------------------
+
+
+class ReclamationCreateSerializer(StrictFieldsMixin, serializers.Serializer):
+    scope = serializers.ChoiceField(
+        choices=ReclamationRequest.Scope.choices, default=ReclamationRequest.Scope.IDLE
+    )
+    refs = serializers.ListField(
+        child=serializers.CharField(max_length=64), required=False, default=list, max_length=100
+    )
+    min_idle_seconds = serializers.IntegerField(min_value=0, max_value=86_400, default=300)
+    limit = serializers.IntegerField(min_value=1, max_value=1000, default=1)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs["scope"] == ReclamationRequest.Scope.SELECTED and not attrs["refs"]:
+            raise serializers.ValidationError({"refs": ["list the package refs to release"]})
+        return attrs
+
+
+class ReclamationSerializer(serializers.ModelSerializer):
+    requested_by = serializers.CharField(source="requested_by.username", default=None)
+
+    class Meta:
+        model = ReclamationRequest
+        fields = [
+            "id",
+            "scope",
+            "refs",
+            "min_idle_seconds",
+            "limit",
+            "status",
+            "outcome",
+            "requested_by",
+            "created_at",
+            "finished_at",
+        ]
+
+
+class ReclamationViewSet(
+    mixins.CreateModelMixin,
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    viewsets.GenericViewSet,
+):
+    """Staff: ask the worker to release idle, safe Applications; it answers each request
+    with ``done`` (released N) or ``refused`` (and why) within a few seconds."""
+
+    serializer_class = ReclamationSerializer
+    permission_classes = [IsAdminUser]
+    queryset = ReclamationRequest.objects.select_related("requested_by").all()
+
+    @extend_schema(request=ReclamationCreateSerializer, responses={202: ReclamationSerializer})
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        data = ReclamationCreateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        row = reclamation_create(user=request.user, **data.validated_data)
+        return Response(ReclamationSerializer(row).data, status=status.HTTP_202_ACCEPTED)

@@ -1,25 +1,46 @@
-"""Executing one claimed run: load its session and agent, run the loop, persist, archive.
+"""Executing one claimed run: take its Application, run the loop or flow, persist, archive.
 
 The worker (scheduling) finds this module by name (``settings.SAGE_RUN_EXECUTOR``) so
 that scheduling never imports agents. Everything that touches the ORM runs in threads.
+
+A run executes through the worker's ``AgentManagementService``: the package is parsed,
+its instructions resolved and its model records decrypted once per resident Application
+(``build_application``), not once per run. The executor also answers operator
+``ReclamationRequest`` rows and, at start-up, archives terminal runs a crash left
+unarchived.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
+import os
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from agents.code_tools import CodeToolsRuntime
 from agents.engine import AgentTurn, EventBatch, history_from_events, run_turn
-from agents.models import AgentPackage
+from agents.flows import models_to_initialise, reachable_agents, reachable_nodes, run_flow
+from agents.models import AgentPackage, ManagedAgentRecord, ReclamationRequest, ReclamationStatus
+from agents.packages import package_manifest
+from agents.service import (
+    ARCHIVE_BATCH,
+    AgentManagementService,
+    Application,
+    ApplicationKey,
+    PreparedAgent,
+)
 from agents.services import archive_terminal
 from agents.tools import ToolContext, ToolRegistry, build_registry
 from pooling import providers
@@ -29,11 +50,23 @@ from pooling.models import ModelRecord
 from pooling.providers import get_adapter
 from pooling.providers.base import ModelRequest
 from sageproject.db import db_call
-from sageproject.errors import ErrorCategory, NotFoundError, SageError, ValidationError
-from scheduling.models import Event, Run, RunStatus
+from sageproject.errors import ErrorCategory, NotFoundError, SageError
+from scheduling.models import (
+    TERMINAL_STATUSES,
+    UNFINISHED_STATUSES,
+    Event,
+    Run,
+    RunStatus,
+)
 from scheduling.store import Fence, append_events, check_fence
 
 logger = logging.getLogger("sage.execution")
+
+# How often the executor looks for operator reclamation requests.
+RECLAMATION_POLL_SECONDS = 2.0
+# Resident Applications' unfinished-run counts (for the capacity page) are refreshed every
+# this many capacity refreshes (one per second).
+UNFINISHED_REFRESH_EVERY = 5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +79,8 @@ class ModelRecordView:
     model: str
     api_key: str = field(repr=False)
     options: dict[str, Any]
+    # The record's ``updated_at``: a changed record (a rotated key) is re-read per run.
+    stamp: Any = None
 
 
 @dataclass(slots=True)
@@ -57,6 +92,8 @@ class StopSignal:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PreparedRun:
+    """One run's own data (its package comes from the Application)."""
+
     run_id: Any
     session_id: Any
     owner_id: int
@@ -65,18 +102,10 @@ class PreparedRun:
     agent_id: str
     user_input: str
     history: list[dict[str, Any]]
-    turn: AgentTurn
-    record: ModelRecordView
     first_attempt: bool
+    session_kind: str = "master"
     # The reply that resumed a suspended run, emitted as ``interaction.resolved``.
     resolution: dict[str, Any] | None = None
-
-
-def _instructions(agent: dict[str, Any], files: dict[str, str]) -> str:
-    instructions = agent.get("instructions", "")
-    if isinstance(instructions, dict):
-        return files.get(instructions.get("path", ""), "")
-    return str(instructions or "")
 
 
 def find_model_record(owner_id: int, name: str) -> ModelRecord:
@@ -91,6 +120,18 @@ def find_model_record(owner_id: int, name: str) -> ModelRecord:
     return record
 
 
+def record_view(record: ModelRecord) -> ModelRecordView:
+    return ModelRecordView(
+        id=record.pk,
+        protocol=record.protocol,
+        base_url=record.base_url,
+        model=record.model or record.name,
+        api_key=record.api_key,
+        options=dict(record.options or {}),
+        stamp=record.updated_at,
+    )
+
+
 def error_dict(error: SageError) -> dict[str, Any]:
     return {
         "code": error.code,
@@ -101,9 +142,188 @@ def error_dict(error: SageError) -> dict[str, Any]:
     }
 
 
-# Errors of this host's own bounded queues: the run is suspended (nothing was sent to the
-# provider) and a reply with decision "retry" resumes it.
-SUSPENDING_CODES = frozenset({"model.queue_full", "model.queue_timeout", "server.model_pool_full"})
+# Errors of this host's own bounded resources: the run is suspended (nothing was sent to
+# the provider) and a reply with decision "retry" resumes it.
+SUSPENDING_CODES = frozenset(
+    {
+        "model.queue_full",
+        "model.queue_timeout",
+        "server.model_pool_full",
+        "management.capacity",
+        "management.draining",
+    }
+)
+
+
+# --- Applications: build, probe, archive (sync, run in threads) --------------------------
+
+
+def build_application_sync(key: ApplicationKey, tools: ToolRegistry) -> Application:
+    """Prepare the Application of ``key`` from the database.
+
+    Only the selected agent (or, for a flow, the flow's reachable agents) and its reachable
+    members get a model record view. Raises ``package.not_found``,
+    ``package.agent_not_found`` or ``server.model_not_configured``.
+    """
+    package = AgentPackage.objects.filter(ref=key.ref, owner_id=key.owner_id).first()
+    if package is None:
+        raise NotFoundError("package.not_found", "the session's package version is gone")
+    manifest = package_manifest(package)
+    flows = manifest.flows
+    flow_id = key.agent_id if key.agent_id in flows else None
+    if flow_id is not None:
+        names = reachable_agents(manifest.data["agents"], reachable_nodes(flows, flow_id), None)
+    else:
+        names = models_to_initialise(manifest, key.agent_id)
+    agents: dict[str, PreparedAgent] = {}
+    for agent_id in names:
+        definition = manifest.agent(agent_id)
+        record = find_model_record(key.owner_id, definition["model"])
+        agents[agent_id] = PreparedAgent(
+            agent_id=agent_id,
+            instructions=manifest.instructions(agent_id),
+            tools=tuple(
+                tool for name in definition["tools"] if (tool := tools.get(name)) is not None
+            ),
+            max_steps=int(definition["max_steps"]),
+            record=record_view(record),
+        )
+    return Application(
+        key=key,
+        package_name=package.name,
+        manifest=manifest,
+        agents=agents,
+        flow=flow_id,
+        flows=flows,
+    )
+
+
+def fresh_records_sync(views: dict[str, ModelRecordView]) -> dict[str, ModelRecordView]:
+    """Views of the records that changed since ``views`` were taken (by agent id)."""
+    ids = {view.id for view in views.values()}
+    stamps = dict(ModelRecord.objects.filter(pk__in=ids).values_list("pk", "updated_at"))
+    changed = {view.id for view in views.values() if stamps.get(view.id) != view.stamp}
+    if not changed:
+        return {}
+    fresh = {
+        record.pk: record_view(record) for record in ModelRecord.objects.filter(pk__in=changed)
+    }
+    return {agent_id: fresh[view.id] for agent_id, view in views.items() if view.id in fresh}
+
+
+def _key_runs(key: ApplicationKey) -> Q:
+    """Runs of a key: its sessions' runs and the child runs of those."""
+    session = Q(
+        session__owner_id=key.owner_id,
+        session__package_ref=key.ref,
+        session__agent_id=key.agent_id,
+    )
+    parent = Q(
+        parent__session__owner_id=key.owner_id,
+        parent__session__package_ref=key.ref,
+        parent__session__agent_id=key.agent_id,
+    )
+    return session | parent
+
+
+def unfinished_runs_sync(key: ApplicationKey) -> int:
+    """Queued, running or suspended runs (child runs included) of ``key``'s sessions."""
+    return Run.objects.filter(_key_runs(key), status__in=UNFINISHED_STATUSES).count()
+
+
+def flow_outputs_from_events(run_id: Any) -> dict[str, Any] | None:
+    """The top-level ``flow.completed`` outputs of a run, read from its last events."""
+    rows = (
+        Event.objects.filter(run_id=run_id, type="flow.completed")
+        .order_by("-seq")
+        .values_list("data", flat=True)[:32]
+    )
+    for data in rows:
+        payload = orjson.loads(data)
+        if payload.get("path") == "" and "outputs" in payload:
+            return payload["outputs"]
+    return None
+
+
+def _archive_batch(query, batch: int) -> int:
+    runs = list(
+        Run.objects.filter(query, status__in=TERMINAL_STATUSES, archive__isnull=True)
+        .select_related("session")
+        .order_by("created_at")[:batch]
+    )
+    for run in runs:
+        with transaction.atomic():
+            record = archive_terminal(run)
+            outputs = flow_outputs_from_events(run.pk)
+            if outputs is not None and record.flow_outputs is None:
+                ManagedAgentRecord.objects.filter(pk=record.pk).update(flow_outputs=outputs)
+    return len(runs)
+
+
+def archive_unarchived_sync(key: ApplicationKey, batch: int = ARCHIVE_BATCH) -> int:
+    """Archive up to ``batch`` unarchived terminal runs of ``key``; returns how many."""
+    return _archive_batch(_key_runs(key), batch)
+
+
+def sweep_unarchived_sync(batch: int = ARCHIVE_BATCH) -> int:
+    """Archive every unarchived terminal run (a crash between finish and archive), in
+    batches of ``batch``; returns how many were archived."""
+    total = 0
+    while True:
+        count = _archive_batch(Q(), batch)
+        total += count
+        if count < batch:
+            return total
+
+
+# --- reclamation requests (sync) -----------------------------------------------------------
+
+
+def claim_reclamations_sync(worker: str, limit: int = 10) -> list[dict[str, Any]]:
+    """Take pending operator requests (a conditional update, so two workers never both
+    execute one); returns their parameters."""
+    claimed = []
+    pending = ReclamationRequest.objects.filter(
+        status=ReclamationStatus.PENDING, outcome__isnull=True
+    ).order_by("created_at")[:limit]
+    for request in pending:
+        taken = ReclamationRequest.objects.filter(
+            pk=request.pk, status=ReclamationStatus.PENDING, outcome__isnull=True
+        ).update(outcome={"worker": worker, "state": "executing"})
+        if taken:
+            claimed.append(
+                {
+                    "id": request.pk,
+                    "scope": request.scope,
+                    "refs": list(request.refs or []),
+                    "min_idle_seconds": request.min_idle_seconds,
+                    "limit": request.limit,
+                }
+            )
+    return claimed
+
+
+def answer_reclamation_sync(request_id: int, status: str, outcome: dict[str, Any]) -> None:
+    ReclamationRequest.objects.filter(pk=request_id).update(
+        status=status, outcome=outcome, finished_at=timezone.now()
+    )
+
+
+def reclamation_outcome(result: dict[str, Any], worker: str) -> tuple[str, dict[str, Any]]:
+    """(status, outcome) of a ``release_idle`` result: done when anything was released,
+    else refused with the reasons."""
+    released = result["released"]
+    if released:
+        message = f"released {released} Application{'s' if released != 1 else ''}"
+        status = ReclamationStatus.DONE
+    else:
+        reasons = [f"{r['application']}: {r['reason']}" for r in result["refused"]]
+        reasons += [f"{r['application']}: {r['reason']}" for r in result["failed"]]
+        message = "refused: " + (
+            "; ".join(reasons) if reasons else "no resident Application matched"
+        )
+        status = ReclamationStatus.REFUSED
+    return status, {**result, "message": message, "worker": worker}
 
 
 class _LeasedProvider:
@@ -122,8 +342,10 @@ class _LeasedProvider:
 class RunExecutor:
     """Executes runs for the worker.
 
-    Owns the worker's one ``ModelClientPool`` and one ``ModelConcurrencyBudget`` (shared by
-    every run), and the tool registry.
+    Owns the worker's one ``ModelClientPool``, one ``ModelConcurrencyBudget`` (shared by
+    every run), the tool registry, the code tools runtime (started and closed with the
+    executor; its tools registered when enabled) and the ``AgentManagementService``
+    (``self.service``).
     """
 
     def __init__(
@@ -132,9 +354,15 @@ class RunExecutor:
         tools: ToolRegistry | None = None,
         pool: ModelClientPool | None = None,
         budget: ModelConcurrencyBudget | None = None,
+        service: AgentManagementService | None = None,
+        code_tools: CodeToolsRuntime | None = None,
     ) -> None:
         sage = settings.SAGE
+        self.code_tools = code_tools if code_tools is not None else CodeToolsRuntime.from_settings()
         self.tools = tools or build_registry(settings.SAGE_TOOL_MODULES)
+        for tool in self.code_tools.tools():
+            if tool.name not in self.tools:
+                self.tools.register(tool)
         self.pool = pool or ModelClientPool(
             providers.create_client,
             providers.close_client,
@@ -145,34 +373,96 @@ class RunExecutor:
             max_waiting=sage["SAGE_MAX_WAITING_MODEL_CALLS"],
             wait_timeout_seconds=sage["SAGE_MODEL_QUEUE_TIMEOUT_SECONDS"],
         )
+        self.service = service or AgentManagementService(
+            builder=lambda key: db_call(build_application_sync, key, self.tools),
+            probe=lambda key: db_call(unfinished_runs_sync, key),
+            archiver=lambda key, batch: db_call(archive_unarchived_sync, key, batch),
+            max_applications=sage["SAGE_SERVER_MAX_MANAGED_APPLICATIONS"],
+            auto_release_idle_seconds=sage["SAGE_AUTO_RELEASE_IDLE_SECONDS"],
+            model_budget=self.budget,
+        )
+        self.worker_tag = f"{socket.gethostname()}:{os.getpid()}"
+        self.swept = 0
         self._pool_snapshot: dict[str, Any] = {}
-        self._refresher: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        """Called once by the worker before it claims anything."""
+        """Called once by the worker before it claims anything: archive what a crash left
+        unarchived, then start the capacity refresher and the reclamation poller."""
+        try:
+            self.swept = await db_call(sweep_unarchived_sync)
+            if self.swept:
+                logger.info("archived %d terminal run(s) left unarchived", self.swept)
+        except Exception as exc:  # the sweep repeats at the next start; runs must go on
+            logger.warning("start-up archive sweep failed: %s", exc)
+        await self.code_tools.start()
         self._pool_snapshot = await self.pool.snapshot()
-        self._refresher = asyncio.create_task(self._refresh_loop(), name="executor-capacity")
+        self._tasks = [
+            asyncio.create_task(self._refresh_loop(), name="executor-capacity"),
+            asyncio.create_task(self._reclamation_loop(), name="executor-reclamations"),
+        ]
 
     async def close(self) -> None:
-        """Close the model clients after the last run ended (waits for their leases)."""
-        if self._refresher is not None:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
+        """Archive and release the Applications, then close the model clients (after the
+        last run ended; waits for their leases)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self.service.close()
+        except Exception as exc:
+            logger.warning("closing managed applications: %s", exc)
+        try:
+            await self.code_tools.close()
+        except Exception as exc:
+            logger.warning("closing the code tools: %s", exc)
         try:
             await self.pool.close()
         except SageError as exc:
             logger.warning("closing model clients: %s (%s)", exc.message, exc.__cause__)
 
     async def _refresh_loop(self) -> None:
+        rounds = 0
         while True:
             await asyncio.sleep(1.0)
             self._pool_snapshot = await self.pool.snapshot()
+            rounds += 1
+            if rounds % UNFINISHED_REFRESH_EVERY == 0:
+                await self.service.refresh_unfinished()
+
+    async def _reclamation_loop(self) -> None:
+        while True:
+            await asyncio.sleep(RECLAMATION_POLL_SECONDS)
+            try:
+                await self.process_reclamations()
+            except Exception as exc:  # a database hiccup must not end the poller
+                logger.warning("reclamation requests: %s", exc)
+
+    async def process_reclamations(self) -> int:
+        """Execute pending ``ReclamationRequest`` rows; returns how many were answered."""
+        claimed = await db_call(claim_reclamations_sync, self.worker_tag)
+        for request in claimed:
+            selected = request["scope"] == ReclamationRequest.Scope.SELECTED
+            try:
+                result = await self.service.release_idle(
+                    min_idle_seconds=request["min_idle_seconds"],
+                    limit=self.service.max_applications if selected else request["limit"],
+                    refs=request["refs"] if selected else None,
+                )
+                status, outcome = reclamation_outcome(result, self.worker_tag)
+            except (ValueError, SageError) as exc:
+                status = ReclamationStatus.REFUSED
+                outcome = {"released": 0, "message": f"refused: {exc}", "worker": self.worker_tag}
+            await db_call(answer_reclamation_sync, request["id"], status, outcome)
+        return len(claimed)
 
     def capacity(self) -> dict[str, Any]:
         return {
             "model_clients": dict(self._pool_snapshot),
             "model_calls": self.budget.snapshot(),
             "tools": self.tools.names(),
+            "management": self.service.capacity(),
+            "code_tools": self.code_tools.capacity(),
         }
 
     # --- preparation --------------------------------------------------------------
@@ -180,57 +470,35 @@ class RunExecutor:
     def _prepare_sync(self, run_id: Any) -> PreparedRun:
         run = Run.objects.select_related("session").get(pk=run_id)
         session = run.session
-        package = AgentPackage.objects.filter(
-            ref=session.package_ref, owner_id=session.owner_id
-        ).first()
-        if package is None:
-            raise NotFoundError("package.not_found", f"package {session.package_name!r} is gone")
-        agent = package.manifest.get("agents", {}).get(session.agent_id)
-        if agent is None:
-            raise ValidationError(
-                "package.agent_not_found",
-                f"package {package.name!r} has no agent {session.agent_id!r}",
-            )
-        record = find_model_record(run.owner_id, agent.get("model", ""))
-        tools = []
-        for name in agent.get("tools", []):
-            tool = self.tools.get(name)
-            if tool is not None:
-                tools.append(tool)
         rows = (
             Event.objects.filter(session_id=session.pk).order_by("seq").values_list("type", "data")
         )
-        import orjson
-
         history = history_from_events((etype, orjson.loads(data)) for etype, data in rows)
         user_input = run.input if isinstance(run.input, str) else str(run.input.get("text", ""))
         return PreparedRun(
             run_id=run.pk,
             session_id=session.pk,
             owner_id=run.owner_id,
-            package_ref=package.ref,
-            package_name=package.name,
+            package_ref=session.package_ref,
+            package_name=session.package_name,
             agent_id=session.agent_id,
             user_input=user_input,
             history=history,
-            turn=AgentTurn(
-                model=record.model or record.name,
-                instructions=_instructions(agent, package.files or {}),
-                tools=tuple(tools),
-                max_steps=int(agent.get("max_steps", 8)),
-                options=dict(record.options or {}),
-            ),
-            record=ModelRecordView(
-                id=record.pk,
-                protocol=record.protocol,
-                base_url=record.base_url,
-                model=record.model or record.name,
-                api_key=record.api_key,
-                options=dict(record.options or {}),
-            ),
             first_attempt=not Event.objects.filter(run_id=run.pk, type="run.started").exists(),
+            session_kind=session.kind,
             resolution=(run.interaction or {}).get("resolution"),
         )
+
+    async def _current_agents(self, app: Application) -> dict[str, PreparedAgent]:
+        """The Application's agents with model records re-read where they changed (a
+        rotated key takes effect on the next run of a resident Application)."""
+        views = {agent_id: agent.record for agent_id, agent in app.agents.items()}
+        if not views:
+            return {}
+        fresh = await db_call(fresh_records_sync, views)
+        for agent_id, view in fresh.items():
+            app.agents[agent_id] = dataclasses.replace(app.agents[agent_id], record=view)
+        return dict(app.agents)
 
     # --- model access ---------------------------------------------------------------
 
@@ -246,10 +514,19 @@ class RunExecutor:
             async for item in bounded.stream(request):
                 yield item
 
+    def _turn(self, agent: PreparedAgent) -> AgentTurn:
+        return AgentTurn(
+            model=agent.record.model,
+            instructions=agent.instructions,
+            tools=agent.tools,
+            max_steps=agent.max_steps,
+            options=dict(agent.record.options),
+        )
+
     # --- the run ----------------------------------------------------------------
 
     async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> str:
-        """Execute one claimed run to a terminal status; returns that status.
+        """Execute one claimed run to a terminal status (or ``suspended``); returns it.
 
         Raises ``CancelledError`` only when the worker cancels for ``shutdown`` or
         ``lease_lost``: then nothing terminal is written and the run is requeued by
@@ -257,8 +534,45 @@ class RunExecutor:
         """
         try:
             prepared = await db_call(self._prepare_sync, run_id)
-        except SageError as exc:
-            return await self._finish(run_id, fence, RunStatus.FAILED, None, error_dict(exc), None)
+        except Exception as exc:
+            error = (
+                exc
+                if isinstance(exc, SageError)
+                else SageError(
+                    "run.not_found", f"the run could not be loaded: {type(exc).__name__}"
+                )
+            )
+            return await self._finish(
+                run_id, fence, RunStatus.FAILED, None, error_dict(error), None
+            )
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                app = await stack.enter_async_context(
+                    self.service.application(
+                        prepared.owner_id, prepared.package_ref, prepared.agent_id
+                    )
+                )
+            except asyncio.CancelledError:
+                if stop.reason == "cancelled":
+                    return await self._finish(
+                        run_id, fence, RunStatus.CANCELLED, None, _cancel_error(), prepared
+                    )
+                raise
+            except SageError as exc:
+                # No Application: a full cache suspends the run (retry resumes it once an
+                # instance is released); a missing package or model record fails it.
+                if exc.code in SUSPENDING_CODES:
+                    return await self._suspend(run_id, fence, exc, prepared)
+                return await self._finish(
+                    run_id, fence, RunStatus.FAILED, None, error_dict(exc), prepared
+                )
+            return await self._execute_with(app, prepared, fence, stop)
+        raise AssertionError("unreachable")  # the block above always returns or raises
+
+    async def _execute_with(
+        self, app: Application, prepared: PreparedRun, fence: Fence, stop: StopSignal
+    ) -> str:
+        run_id = prepared.run_id
 
         async def emit(batch: EventBatch) -> None:
             await append_events(
@@ -278,28 +592,34 @@ class RunExecutor:
             owner_id=prepared.owner_id,
             session_id=str(prepared.session_id),
             run_id=str(prepared.run_id),
+            # The code tools keep one kernel per session, closed by the session's kind.
+            extras={"session_kind": prepared.session_kind},
         )
+        flow_outputs = None
         try:
+            agents = await self._current_agents(app)
             await emit(start)
-            outcome = await run_turn(
-                prepared.turn,
-                history,
-                call_model=lambda request: self._stream_model(
-                    prepared.record, prepared.owner_id, request
-                ),
-                emit=emit,
-                ctx=ctx,
-            )
+            if app.flow is not None:
+                flow = await self._run_flow(app, agents, prepared, emit, ctx)
+                result = {"text": flow.output, "steps": flow.steps, "flow": flow.flow}
+                flow_outputs = flow.outputs
+            else:
+                entry = agents[prepared.agent_id]
+                outcome = await run_turn(
+                    self._turn(entry),
+                    history,
+                    call_model=lambda request: self._stream_model(
+                        entry.record, prepared.owner_id, request
+                    ),
+                    emit=emit,
+                    ctx=ctx,
+                )
+                result = {"text": outcome.text, "steps": outcome.steps, "usage": outcome.usage}
         except asyncio.CancelledError:
             if stop.reason == "cancelled":
-                error = {
-                    "code": "run.cancelled",
-                    "category": str(ErrorCategory.CANCELLED),
-                    "message": "the run was cancelled",
-                    "retryable": False,
-                    "resumable": False,
-                }
-                return await self._finish(run_id, fence, RunStatus.CANCELLED, None, error, prepared)
+                return await self._finish(
+                    run_id, fence, RunStatus.CANCELLED, None, _cancel_error(), prepared
+                )
             raise
         except SageError as exc:
             if exc.code == "scheduler.fence_rejected":
@@ -320,8 +640,55 @@ class RunExecutor:
                 "resumable": False,
             }
             return await self._finish(run_id, fence, RunStatus.FAILED, None, error, prepared)
-        result = {"text": outcome.text, "steps": outcome.steps, "usage": outcome.usage}
-        return await self._finish(run_id, fence, RunStatus.COMPLETED, result, None, prepared)
+        return await self._finish(
+            run_id, fence, RunStatus.COMPLETED, result, None, prepared, flow_outputs=flow_outputs
+        )
+
+    async def _run_flow(
+        self,
+        app: Application,
+        agents: dict[str, PreparedAgent],
+        prepared: PreparedRun,
+        emit: Any,
+        ctx: ToolContext,
+    ) -> Any:
+        """Run the session's flow: agent nodes through the engine (each on the node's
+        input alone), tool nodes through the registry, ``flow.*`` events recorded."""
+
+        async def run_agent(agent_id: str, text: str) -> str:
+            agent = agents.get(agent_id)
+            if agent is None:
+                raise NotFoundError(
+                    "package.agent_not_found", f"flow agent {agent_id!r} is not prepared"
+                )
+            outcome = await run_turn(
+                self._turn(agent),
+                [{"role": "user", "content": text}],
+                call_model=lambda request: self._stream_model(
+                    agent.record, prepared.owner_id, request
+                ),
+                emit=emit,
+                ctx=ctx,
+            )
+            return outcome.text
+
+        async def run_tool(name: str, arguments: dict[str, Any]) -> str:
+            tool = self.tools.get(name)
+            if tool is None:
+                raise NotFoundError("tool.not_found", f"tool {name!r} is not available")
+            return str(await tool.handler(arguments, ctx))
+
+        async def on_event(event_type: str, payload: dict[str, Any]) -> None:
+            await emit([(event_type, payload)])
+
+        return await run_flow(
+            app.manifest,
+            app.flow,
+            prepared.user_input,
+            run_agent=run_agent,
+            run_tool=run_tool,
+            on_event=on_event,
+        )
 
     async def _finish(
         self,
@@ -331,6 +698,8 @@ class RunExecutor:
         result: Any,
         error: Any,
         prepared: PreparedRun | None,
+        *,
+        flow_outputs: dict[str, Any] | None = None,
     ) -> str:
         """Terminal event, then terminal status and archive, both fenced.
 
@@ -349,7 +718,14 @@ class RunExecutor:
                     )
                 )
             await asyncio.shield(
-                db_call(finish_run_sync, fence=fence, status=status, result=result, error=error)
+                db_call(
+                    finish_run_sync,
+                    fence=fence,
+                    status=status,
+                    result=result,
+                    error=error,
+                    flow_outputs=flow_outputs,
+                )
             )
         except SageError as exc:
             if exc.code == "scheduler.fence_rejected":
@@ -392,6 +768,16 @@ class RunExecutor:
         return RunStatus.SUSPENDED
 
 
+def _cancel_error() -> dict[str, Any]:
+    return {
+        "code": "run.cancelled",
+        "category": str(ErrorCategory.CANCELLED),
+        "message": "the run was cancelled",
+        "retryable": False,
+        "resumable": False,
+    }
+
+
 TERMINAL_EVENTS = {
     RunStatus.COMPLETED: "run.completed",
     RunStatus.FAILED: "run.failed",
@@ -410,8 +796,16 @@ def suspend_run_sync(*, fence: Fence, interaction: dict[str, Any]) -> None:
         )
 
 
-def finish_run_sync(*, fence: Fence, status: str, result: Any, error: Any) -> None:
-    """Terminal status and archive in one transaction, only while the lease holds."""
+def finish_run_sync(
+    *,
+    fence: Fence,
+    status: str,
+    result: Any,
+    error: Any,
+    flow_outputs: dict[str, Any] | None = None,
+) -> None:
+    """Terminal status and archive (with flow outputs) in one transaction, only while the
+    lease holds."""
     with transaction.atomic():
         check_fence(fence)
         Run.objects.filter(pk=fence.run_id).update(
@@ -423,4 +817,6 @@ def finish_run_sync(*, fence: Fence, status: str, result: Any, error: Any) -> No
             lease_expires_at=None,
             interaction=None,
         )
-        archive_terminal(Run.objects.select_related("session").get(pk=fence.run_id))
+        record = archive_terminal(Run.objects.select_related("session").get(pk=fence.run_id))
+        if flow_outputs is not None:
+            ManagedAgentRecord.objects.filter(pk=record.pk).update(flow_outputs=flow_outputs)

@@ -20,8 +20,8 @@ def _rows(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
     rows: list[tuple[str, Any]] = []
     if isinstance(value, dict):
         for key, item in value.items():
-            if key == "history":
-                continue  # drawn as a chart, not listed
+            if key in ("history", "resident"):
+                continue  # drawn as a chart / its own table, not listed
             rows += _rows(item, f"{prefix}.{key}" if prefix else str(key))
     elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         for index, item in enumerate(value):
@@ -59,6 +59,15 @@ def _chart(name: str, history: list[list[float]], width: int = 480, height: int 
             "minutes": round(span / 60, 1), "width": width, "height": height}
 
 
+def _resident(capacity: Any) -> list[dict[str, Any]]:
+    """The management service's resident Applications of a worker snapshot."""
+    try:
+        rows = capacity["executor"]["management"]["resident"]
+    except (KeyError, TypeError):
+        return []
+    return [row for row in rows if isinstance(row, dict)] if isinstance(rows, list) else []
+
+
 class SageAdminSite(admin.AdminSite):
     site_header = "Sage Host administration"
     site_title = "Sage Host"
@@ -81,6 +90,7 @@ class SageAdminSite(admin.AdminSite):
                 "stale": now - snapshot.heartbeat_at > STALE_AFTER,
                 "rows": _rows(snapshot.capacity),
                 "charts": _charts(snapshot.capacity),
+                "resident": _resident(snapshot.capacity),
             })
         counts = {status: Run.objects.filter(status=status).count()
                   for status in (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.SUSPENDED)}

@@ -5,6 +5,7 @@ from rest_framework.routers import DefaultRouter
 
 from agents import api as agents_api
 from agents import api_packages
+from agents.jobs.api import RunJobsView
 from pooling import api as pooling_api
 
 router = DefaultRouter()
@@ -13,9 +14,12 @@ router.register("packages", api_packages.PackageViewSet, basename="package")
 router.register("sessions", agents_api.SessionViewSet, basename="session")
 router.register("runs", agents_api.RunViewSet, basename="run")
 router.register("archives", agents_api.ArchiveViewSet, basename="archive")
+router.register("reclamations", api_packages.ReclamationViewSet, basename="reclamation")
 
 urlpatterns = [
     path("capacity", agents_api.CapacityView.as_view(), name="capacity"),
     path("capacity/", agents_api.CapacityView.as_view()),
+    path("runs/<uuid:run_id>/jobs", RunJobsView.as_view(), name="run-jobs"),
+    path("runs/<uuid:run_id>/jobs/", RunJobsView.as_view()),
     *router.urls,
 ]

@@ -138,6 +138,9 @@ class CeleryJobRuntime:
         self._owned: dict[str, None] = {}
         self._watched: dict[str, str] = {}
         self._waiters: dict[str, list[asyncio.Future[JobSnapshot]]] = {}
+        self._observing: dict[str, asyncio.Lock] = {}
+        # Jobs whose terminal event is being reported right now (set when it is done).
+        self._ending: dict[str, asyncio.Event] = {}
         self._watch_task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -226,7 +229,9 @@ class CeleryJobRuntime:
         snapshot = await self._snapshot(job_id)
         if self._on_event is not None:
             await self._fire(snapshot, "job.created", {"kind": spec.kind})
-            self._watched[job_id] = str(snapshot.state)
+            # Watch from CREATED, not from the snapshot's state: a fast job may already be
+            # running or done, and its job.started / terminal events must still fire.
+            self._watched[job_id] = str(JobState.CREATED)
             self._ensure_watcher()
         return snapshot.handle()
 
@@ -319,6 +324,14 @@ class CeleryJobRuntime:
             return row_to_snapshot(job_id, tomb)
         snapshot = row_to_snapshot(job_id, row)
         if snapshot.terminal:
+            # Report its events before answering, so a caller that waited can rely on them
+            # (as with the in-process runtime): it may have ended between two polls, or
+            # the poller may be reporting its end right now.
+            if job_id in self._watched:
+                await self._observe(job_id, str(snapshot.state))
+            ending = self._ending.get(job_id)
+            if ending is not None:
+                await ending.wait()
             return snapshot
         future: asyncio.Future[JobSnapshot] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(job_id, []).append(future)
@@ -396,15 +409,36 @@ class CeleryJobRuntime:
             await asyncio.sleep(self._poll)
 
     async def _observe(self, job_id: str, state: str | None) -> None:
+        # One observer per job at a time (the poller and a waiter may both look): its
+        # events then fire once each and in order (job.started before job.completed).
+        lock = self._observing.setdefault(job_id, asyncio.Lock())
+        async with lock:
+            ended = await self._observe_locked(job_id, state)
+        if ended and self._observing.get(job_id) is lock and not lock.locked():
+            del self._observing[job_id]
+
+    async def _observe_locked(self, job_id: str, state: str | None) -> bool:
         row = await self.store.row(job_id) if state is not None else None
         if row is None:
             row = await self.store.tombstone(job_id)
         snapshot = row_to_snapshot(job_id, row) if row is not None else None
         previous = self._watched.get(job_id)
-        if snapshot is not None and previous is not None:
-            await self._fire_transition(snapshot, row or {}, JobState(previous))
+        # Claim the transition before the first await below: a concurrent observer of the
+        # same job (the poller and a waiter) then sees it done and fires nothing twice.
+        ending: asyncio.Event | None = None
         if snapshot is None or snapshot.terminal:
-            self._watched.pop(job_id, None)
+            if self._watched.pop(job_id, None) is not None:
+                ending = self._ending[job_id] = asyncio.Event()
+        elif job_id in self._watched:
+            self._watched[job_id] = str(snapshot.state)
+        try:
+            if snapshot is not None and previous is not None and previous != str(snapshot.state):
+                await self._fire_transition(snapshot, row or {}, JobState(previous))
+        finally:
+            if ending is not None:
+                self._ending.pop(job_id, None)
+                ending.set()
+        if snapshot is None or snapshot.terminal:
             for future in self._waiters.pop(job_id, []):
                 if future.done():
                     continue
@@ -412,9 +446,7 @@ class CeleryJobRuntime:
                     future.set_exception(job_not_found(job_id))
                 else:
                     future.set_result(snapshot)
-        else:
-            if job_id in self._watched:
-                self._watched[job_id] = str(snapshot.state)
+        return snapshot is None or snapshot.terminal
 
     async def _fire_transition(
         self, snapshot: JobSnapshot, row: Mapping[bytes, bytes], previous: JobState

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from django.conf import settings
@@ -142,12 +143,14 @@ def job_event_payload(snapshot: JobSnapshot, data: Mapping[str, Any]) -> dict[st
     return payload
 
 
-def _upsert_record_sync(snapshot: JobSnapshot, owner_id: int) -> None:
+def _upsert_record_sync(snapshot: JobSnapshot, owner_id: int) -> bool:
+    """Bring the job's ``JobRecord`` up to ``snapshot``; returns True when this call is the
+    one that made the row terminal (so exactly one caller announces the end)."""
     from agents.models import JobRecord
 
-    state = str(snapshot.state)
+    terminal = snapshot.state in TERMINAL_STATES
     values: dict[str, Any] = {
-        "state": state,
+        "state": str(snapshot.state),
         "output_bytes": snapshot.output_bytes,
         "output_chunks": snapshot.output_chunks,
         "output_truncated": snapshot.output_truncated,
@@ -155,19 +158,16 @@ def _upsert_record_sync(snapshot: JobSnapshot, owner_id: int) -> None:
         # .update() skips auto_now fields.
         "updated_at": timezone.now(),
     }
-
-    def matching() -> Any:
-        query = JobRecord.objects.filter(job_id=snapshot.job_id)
-        if snapshot.state not in TERMINAL_STATES:
-            # Events of one job can land out of order (a kill racing its job.created): a
-            # late non-terminal update must never move a finished row back.
-            query = query.exclude(state__in=_TERMINAL_VALUES)
-        return query
-
-    if matching().update(**values):
-        return
+    # Never touch a finished row: events of one job can land out of order (a kill racing
+    # its job.created), and several writers may report the same end (the runtime's events,
+    # an operator cancel, reconciliation). The database decides which UPDATE wins.
+    unfinished = JobRecord.objects.filter(job_id=snapshot.job_id).exclude(
+        state__in=_TERMINAL_VALUES
+    )
+    if unfinished.update(**values):
+        return terminal
     if JobRecord.objects.filter(job_id=snapshot.job_id).exists():
-        return  # already terminal; nothing newer to say
+        return False  # already terminal; nothing newer to say
     try:
         # A savepoint: a failed insert must not poison a surrounding transaction.
         with transaction.atomic():
@@ -179,29 +179,52 @@ def _upsert_record_sync(snapshot: JobSnapshot, owner_id: int) -> None:
                 **values,
             )
     except IntegrityError:
-        # Another event of the same job created the row first: apply ours on top.
-        matching().update(**values)
+        # Another writer created the row first: apply ours on top, if still unfinished.
+        return bool(unfinished.update(**values)) and terminal
+    return terminal
+
+
+_TERMINAL_EVENTS = {
+    JobState.COMPLETED: "job.completed",
+    JobState.FAILED: "job.failed",
+    JobState.KILLED: "job.killed",
+}
+_TERMINAL_EVENT_TYPES = frozenset(_TERMINAL_EVENTS.values())
+_EVENT_STATES = {"job.created": JobState.CREATED, "job.started": JobState.RUNNING}
 
 
 class JobEventRecorder:
     """``on_event`` for a job runtime: session events plus the ``JobRecord`` row.
 
-    Awaiting it appends one event (``job.created`` ... ``job.killed``) to the session named
-    by the job's ``session_id`` label, attributed to its run, and upserts the job's
-    ``JobRecord``. Jobs without ``session_id``/``owner_id`` labels are ignored. Errors
-    propagate to the runtime, which logs them and never fails the job for them.
+    Awaiting it upserts the job's ``JobRecord`` and appends one event (``job.created`` ...
+    ``job.killed``) to the session named by the job's ``session_id`` label, attributed to
+    its run. A terminal event is appended only by whoever moved the row to its terminal
+    state, so the end of a job is announced once even when several paths observe it.
+    Jobs without ``session_id``/``owner_id`` labels are ignored. Errors propagate to the
+    runtime, which logs them and never fails the job for them.
     """
 
     async def __call__(
         self, snapshot: JobSnapshot, event_type: str, data: Mapping[str, Any]
     ) -> None:
+        await self.record(snapshot, event_type, data)
+
+    async def record(self, snapshot: JobSnapshot, event_type: str, data: Mapping[str, Any]) -> bool:
+        """Upsert the row and append the event; returns True if the event was appended."""
         session_id = snapshot.labels.get(LABEL_SESSION)
         owner = snapshot.labels.get(LABEL_OWNER)
         if not session_id or not owner:
-            return
-        owner_id = int(owner)
+            return False
+        implied = _EVENT_STATES.get(event_type)
+        if implied is not None and snapshot.terminal:
+            # A runtime that observes by polling (Celery) may report job.started with a
+            # snapshot taken after the job already ended; the end has its own event, so
+            # this one must describe (and record) the job as it was then.
+            snapshot = replace(snapshot, state=implied, exit_code=None, error=None)
         # The row first: a reader that sees the event can then find the job in the API.
-        await db_call(_upsert_record_sync, snapshot, owner_id)
+        ended_now = await db_call(_upsert_record_sync, snapshot, int(owner))
+        if event_type in _TERMINAL_EVENT_TYPES and not ended_now:
+            return False
         from scheduling.store import append_events
 
         await append_events(
@@ -209,88 +232,151 @@ class JobEventRecorder:
             run_id=snapshot.owner_run_id,
             events=[(event_type, job_event_payload(snapshot, data))],
         )
+        return True
+
+    async def record_end(self, snapshot: JobSnapshot) -> bool:
+        """Record a terminal ``snapshot`` observed outside the runtime's events (an operator
+        cancel, reconciliation); returns True if this call announced the end."""
+        event_type = _TERMINAL_EVENTS.get(snapshot.state)
+        if event_type is None:
+            return False
+        return await self.record(snapshot, event_type, {})
 
 
-# --- operator cancels -------------------------------------------------------------------
+# --- operator cancels and reconciliation -------------------------------------------------
+
+# Stateless: one instance serves every caller below.
+_RECORDER = JobEventRecorder()
 
 
-def _pending_cancels_sync(limit: int) -> list[tuple[str, int]]:
+def _unfinished_records_sync(*, cancel_requested: bool | None, limit: int) -> list[str]:
     from agents.models import JobRecord
 
-    rows = (
-        JobRecord.objects.filter(cancel_requested=True)
+    query = JobRecord.objects.exclude(state__in=_TERMINAL_VALUES)
+    if cancel_requested is not None:
+        query = query.filter(cancel_requested=cancel_requested)
+    # Least recently updated first: every row gets its turn under the limit.
+    return list(query.order_by("updated_at").values_list("job_id", flat=True)[:limit])
+
+
+def _mark_lost_sync(job_id: str) -> bool:
+    from agents.models import JobRecord
+
+    return bool(
+        JobRecord.objects.filter(job_id=job_id)
         .exclude(state__in=_TERMINAL_VALUES)
-        .order_by("created_at")
-        .values_list("job_id", "owner_id")[:limit]
+        .update(
+            state=str(JobState.KILLED),
+            error=killed_error("the job runtime no longer knows this job"),
+            updated_at=timezone.now(),
+        )
     )
-    return list(rows)
 
 
-def _mark_lost_sync(job_id: str) -> None:
-    from agents.models import JobRecord
+def _is_shared(runtime: Any) -> bool:
+    # A durable runtime (Celery over Redis) sees every host's jobs: a job it does not know
+    # is gone for good. An in-memory one sees only this process's jobs.
+    return bool(getattr(runtime.capabilities, "durable", False))
 
-    JobRecord.objects.filter(job_id=job_id).exclude(state__in=_TERMINAL_VALUES).update(
-        state=str(JobState.KILLED),
-        error=killed_error("the job runtime no longer knows this job"),
-        updated_at=timezone.now(),
-    )
+
+async def _gathered(jobs: list[str], one: Any) -> int:
+    gate = asyncio.Semaphore(_CANCEL_CONCURRENCY)
+
+    async def guarded(job_id: str) -> bool:
+        async with gate:
+            return await one(job_id)
+
+    results = await asyncio.gather(*(guarded(j) for j in jobs), return_exceptions=True)
+    count = 0
+    for job_id, result in zip(jobs, results, strict=True):
+        if isinstance(result, BaseException):
+            logger.error("job upkeep failed for %s: %r", job_id, result)
+        elif result:
+            count += 1
+    return count
 
 
 async def apply_cancel_requests(runtime: Any, *, limit: int = 100) -> int:
     """Cancel jobs whose ``JobRecord.cancel_requested`` is set and that are not terminal.
 
-    Returns how many jobs this call cancelled (or found already ended and recorded).
-    A job the runtime does not know is left alone by an in-memory runtime (another worker
-    process may own it) and marked KILLED by a shared one (Celery: its row is gone for
-    good). Never raises for one job's failure; those are logged and retried next call.
+    Returns how many of them ended (their row and ``job.killed`` event are recorded, once,
+    whichever path saw the end first). A job the runtime does not know is left alone by an
+    in-memory runtime (another worker process may own it) and marked KILLED by a shared
+    one. One job's failure is logged, never raised; it is retried on the next call.
     """
-    pending = await db_call(_pending_cancels_sync, limit)
+    pending = await db_call(_unfinished_records_sync, cancel_requested=True, limit=limit)
     if not pending:
         return 0
-    gate = asyncio.Semaphore(_CANCEL_CONCURRENCY)
-    shared = bool(getattr(runtime.capabilities, "durable", False))
+    shared = _is_shared(runtime)
 
-    async def cancel_one(job_id: str, owner_id: int) -> bool:
-        async with gate:
-            try:
-                snapshot = await runtime.cancel(job_id, reason="cancelled by an operator")
-            except SageError as exc:
-                if exc.code != "job.not_found":
-                    logger.warning("operator cancel of job %s failed: %s", job_id, exc.code)
-                    return False
-                if not shared:
-                    return False
-                await db_call(_mark_lost_sync, job_id)
-                return True
-            # The recorder may not be attached (or may lag a poll behind): write the row.
-            await db_call(_upsert_record_sync, snapshot, owner_id)
-            return True
+    async def cancel_one(job_id: str) -> bool:
+        try:
+            snapshot = await runtime.cancel(job_id, reason="cancelled by an operator")
+        except SageError as exc:
+            if exc.code != "job.not_found":
+                logger.warning("operator cancel of job %s failed: %s", job_id, exc.code)
+                return False
+            return shared and await db_call(_mark_lost_sync, job_id)
+        if not snapshot.terminal:
+            return False  # still stopping (a slow Celery worker): the next round looks again
+        # The runtime's recorder has usually written this already; record_end is a no-op then.
+        await _RECORDER.record_end(snapshot)
+        return True
 
-    results = await asyncio.gather(
-        *(cancel_one(job_id, owner_id) for job_id, owner_id in pending), return_exceptions=True
-    )
-    done = 0
-    for (job_id, _), result in zip(pending, results, strict=True):
-        if isinstance(result, BaseException):
-            logger.error("operator cancel of job %s failed: %r", job_id, result)
-        elif result:
-            done += 1
-    return done
+    return await _gathered(pending, cancel_one)
+
+
+async def reconcile_job_records(runtime: Any, *, limit: int = 200) -> int:
+    """Bring unfinished ``JobRecord`` rows up to the runtime's state; returns how many ended.
+
+    For a shared (Celery) runtime: jobs whose submitting process went away while they ran
+    are watched by nobody, so their end is recorded here (row and terminal event), and
+    rows of jobs the runtime has forgotten are marked KILLED. An in-memory runtime reports
+    its own jobs' ends synchronously, so there is nothing to do and it returns 0.
+    """
+    if not _is_shared(runtime):
+        return 0
+    rows = await db_call(_unfinished_records_sync, cancel_requested=None, limit=limit)
+
+    async def sync_one(job_id: str) -> bool:
+        try:
+            snapshot = await runtime.inspect(job_id)
+        except SageError as exc:
+            if exc.code != "job.not_found":
+                raise
+            return await db_call(_mark_lost_sync, job_id)
+        if snapshot.terminal:
+            return await _RECORDER.record_end(snapshot)
+        owner = snapshot.labels.get(LABEL_OWNER)
+        if owner:
+            await db_call(_upsert_record_sync, snapshot, int(owner))
+        return False
+
+    return await _gathered(rows, sync_one)
 
 
 async def poll_cancel_requests(
-    runtime: Any, stop: asyncio.Event, *, interval_seconds: float = 3.0
+    runtime: Any,
+    stop: asyncio.Event,
+    *,
+    interval_seconds: float = 3.0,
+    reconcile_every: int = 10,
 ) -> None:
-    """Call ``apply_cancel_requests`` every ``interval_seconds`` until ``stop`` is set.
+    """Until ``stop`` is set: ``apply_cancel_requests`` every ``interval_seconds`` and
+    ``reconcile_job_records`` every ``reconcile_every`` rounds (and on the first).
 
     For the worker: ``asyncio.create_task(poll_cancel_requests(runtime, stop))``. A failed
-    round is logged and the loop goes on.
+    round is logged and the loop goes on; returns once ``stop`` is set.
     """
+    rounds = 0
     while not stop.is_set():
         try:
+            if rounds % max(reconcile_every, 1) == 0:
+                await reconcile_job_records(runtime)
             await apply_cancel_requests(runtime)
         except Exception:
-            logger.exception("applying job cancel requests failed")
+            logger.exception("job upkeep round failed")
+        rounds += 1
         try:
             await asyncio.wait_for(stop.wait(), timeout=interval_seconds)
         except TimeoutError:

@@ -339,22 +339,26 @@ class InMemoryJobRuntime:
         self._admitted -= 1
         if job.job_id in self._rows:
             self._terminal[job.job_id] = job
-        job.done.set()
         event = {
             JobState.COMPLETED: "job.completed",
             JobState.FAILED: "job.failed",
             JobState.KILLED: "job.killed",
         }[state]
-        await self._fire(
-            job,
-            event,
-            {
-                "exit_code": job.exit_code,
-                "error": job.error,
-                "output_bytes": job.output_bytes,
-                "output_truncated": job.truncated,
-            },
-        )
+        try:
+            await self._fire(
+                job,
+                event,
+                {
+                    "exit_code": job.exit_code,
+                    "error": job.error,
+                    "output_bytes": job.output_bytes,
+                    "output_truncated": job.truncated,
+                },
+            )
+        finally:
+            # After the event: whoever waits for the end (wait, cancel) can then rely on
+            # the terminal event having been recorded.
+            job.done.set()
         self._sweep()
 
     async def _fire(self, job: _Job, event_type: str, data: Mapping[str, Any]) -> None:

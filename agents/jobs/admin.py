@@ -1,0 +1,82 @@
+"""Admin for background jobs: ``JobRecord`` rows (read-only) and "Cancel selected jobs".
+
+Importing this module registers the admin (``agents/admin.py`` imports it). The cancel action
+only sets ``cancel_requested``: the worker that runs the job applies it
+(``agents.jobs.glue.apply_cancel_requests``), because the admin process holds no runtime.
+"""
+
+from __future__ import annotations
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from agents.jobs.base import TERMINAL_STATES
+from agents.models import JobRecord
+
+_TERMINAL_VALUES = [str(state) for state in TERMINAL_STATES]
+
+
+@admin.register(JobRecord)
+class JobRecordAdmin(admin.ModelAdmin):
+    list_display = [
+        "job_id",
+        "kind",
+        "state",
+        "run",
+        "owner",
+        "output_bytes",
+        "output_chunks",
+        "output_truncated",
+        "cancel_requested",
+        "created_at",
+    ]
+    list_filter = ["state", "kind", "output_truncated", "cancel_requested"]
+    search_fields = ["job_id", "kind", "owner__username", "run__id"]
+    list_select_related = ["owner", "run"]
+    date_hierarchy = "created_at"
+    ordering = ["-created_at"]
+    readonly_fields = [
+        "job_id",
+        "run",
+        "owner",
+        "kind",
+        "state",
+        "output_bytes",
+        "output_chunks",
+        "output_truncated",
+        "error",
+        "cancel_requested",
+        "created_at",
+        "updated_at",
+    ]
+    actions = ["cancel_jobs"]
+
+    def has_add_permission(self, request: HttpRequest, obj: JobRecord | None = None) -> bool:
+        return False  # rows mirror the job runtime; only the runtime creates them
+
+    def has_change_permission(self, request: HttpRequest, obj: JobRecord | None = None) -> bool:
+        # Viewing only; actions check their own permission (below).
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: JobRecord | None = None) -> bool:
+        # Deleting a row would lose track of a job that may still be running.
+        return False
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        # Cancelling changes a job: it takes the change permission, not just staff status.
+        return request.user.has_perm(f"{self.opts.app_label}.change_jobrecord")
+
+    @admin.action(description="Cancel selected jobs", permissions=["cancel"])
+    def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[JobRecord]) -> None:
+        """Mark the selected unfinished jobs for cancellation; the worker stops them."""
+        count = (
+            queryset.exclude(state__in=_TERMINAL_VALUES)
+            .filter(cancel_requested=False)
+            .update(cancel_requested=True)
+        )
+        self.message_user(
+            request,
+            f"Cancellation requested for {count} job(s); the worker stops them within seconds.",
+            messages.SUCCESS,
+        )
