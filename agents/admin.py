@@ -305,3 +305,6 @@ class ReclamationRequestAdmin(admin.ModelAdmin):
         return TemplateResponse(
             request, "admin/agents/reclamationrequest/release_idle.html", context
         )
+
+# The jobs package registers its own admin (JobRecord, with the cancel action).
+import agents.jobs.admin  # noqa: E402, F401

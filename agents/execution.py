@@ -32,6 +32,8 @@ from django.utils import timezone
 from agents.code_tools import CodeToolsRuntime
 from agents.engine import AgentTurn, EventBatch, history_from_events, run_turn
 from agents.flows import models_to_initialise, reachable_agents, reachable_nodes, run_flow
+from agents.jobs.glue import JobEventRecorder, build_job_runtime, poll_cancel_requests
+from agents.jobs.tools import JOB_TOOLS
 from agents.models import AgentPackage, ManagedAgentRecord, ReclamationRequest, ReclamationStatus
 from agents.packages import package_manifest
 from agents.service import (
@@ -356,10 +358,15 @@ class RunExecutor:
         budget: ModelConcurrencyBudget | None = None,
         service: AgentManagementService | None = None,
         code_tools: CodeToolsRuntime | None = None,
+        jobs: Any | None = None,
     ) -> None:
         sage = settings.SAGE
         self.code_tools = code_tools if code_tools is not None else CodeToolsRuntime.from_settings()
-        self.tools = tools or build_registry(settings.SAGE_TOOL_MODULES)
+        self.tools = tools or build_registry(settings.SAGE_TOOL_MODULES, extra=JOB_TOOLS)
+        # One job runtime per worker process, shared by every run; built in start(), closed
+        # last (after every run and Application that could still use it).
+        self.jobs: Any | None = jobs
+        self._owns_jobs = jobs is None
         for tool in self.code_tools.tools():
             if tool.name not in self.tools:
                 self.tools.register(tool)
@@ -396,10 +403,15 @@ class RunExecutor:
         except Exception as exc:  # the sweep repeats at the next start; runs must go on
             logger.warning("start-up archive sweep failed: %s", exc)
         await self.code_tools.start()
+        if self.jobs is None:
+            self.jobs = build_job_runtime(on_event=JobEventRecorder())
         self._pool_snapshot = await self.pool.snapshot()
         self._tasks = [
             asyncio.create_task(self._refresh_loop(), name="executor-capacity"),
             asyncio.create_task(self._reclamation_loop(), name="executor-reclamations"),
+            asyncio.create_task(
+                poll_cancel_requests(self.jobs, asyncio.Event()), name="executor-job-upkeep"
+            ),
         ]
 
     async def close(self) -> None:
@@ -420,6 +432,11 @@ class RunExecutor:
             await self.pool.close()
         except SageError as exc:
             logger.warning("closing model clients: %s (%s)", exc.message, exc.__cause__)
+        if self.jobs is not None and self._owns_jobs:
+            try:
+                await self.jobs.close()
+            except Exception as exc:
+                logger.warning("closing the job runtime: %s", exc)
 
     async def _refresh_loop(self) -> None:
         rounds = 0
@@ -456,6 +473,15 @@ class RunExecutor:
             await db_call(answer_reclamation_sync, request["id"], status, outcome)
         return len(claimed)
 
+    async def _stop_jobs(self, run_id: Any) -> None:
+        """A cancelled run's background jobs follow it (their pause behaviour decides)."""
+        if self.jobs is None:
+            return
+        try:
+            await self.jobs.handle_run_pause(str(run_id))
+        except Exception as exc:
+            logger.warning("stopping jobs of cancelled run %s: %s", run_id, exc)
+
     def capacity(self) -> dict[str, Any]:
         return {
             "model_clients": dict(self._pool_snapshot),
@@ -463,6 +489,7 @@ class RunExecutor:
             "tools": self.tools.names(),
             "management": self.service.capacity(),
             "code_tools": self.code_tools.capacity(),
+            "jobs": {"runtime": type(self.jobs).__name__ if self.jobs is not None else None},
         }
 
     # --- preparation --------------------------------------------------------------
@@ -554,6 +581,7 @@ class RunExecutor:
                 )
             except asyncio.CancelledError:
                 if stop.reason == "cancelled":
+                    await self._stop_jobs(run_id)
                     return await self._finish(
                         run_id, fence, RunStatus.CANCELLED, None, _cancel_error(), prepared
                     )
@@ -593,7 +621,7 @@ class RunExecutor:
             session_id=str(prepared.session_id),
             run_id=str(prepared.run_id),
             # The code tools keep one kernel per session, closed by the session's kind.
-            extras={"session_kind": prepared.session_kind},
+            extras={"session_kind": prepared.session_kind, "jobs": self.jobs},
         )
         flow_outputs = None
         try:
@@ -617,6 +645,7 @@ class RunExecutor:
                 result = {"text": outcome.text, "steps": outcome.steps, "usage": outcome.usage}
         except asyncio.CancelledError:
             if stop.reason == "cancelled":
+                await self._stop_jobs(run_id)
                 return await self._finish(
                     run_id, fence, RunStatus.CANCELLED, None, _cancel_error(), prepared
                 )

@@ -54,11 +54,13 @@ async def _discovery_only(args: dict[str, Any], ctx: Any) -> str:
 def registries() -> tuple[ToolRegistry, SkillRegistry]:
     """The tools (the code tools too when ``SAGE_CODE_TOOLS`` is on, as the worker
     registers them) and skills as configured now (skills re-scanned: one may have gone)."""
-    extra = []
+    from agents.jobs.tools import JOB_TOOLS
+
+    extra = list(JOB_TOOLS)
     if settings.SAGE.get("SAGE_CODE_TOOLS"):
         from agents.code_tools import DEFAULT_LIMITS, tool_definitions
 
-        extra = tool_definitions(DEFAULT_LIMITS, _discovery_only, _discovery_only)
+        extra += tool_definitions(DEFAULT_LIMITS, _discovery_only, _discovery_only)
     return (
         build_registry(settings.SAGE_TOOL_MODULES, extra=extra),
         SkillRegistry.from_dirs(settings.SAGE_SKILL_DIRS),
