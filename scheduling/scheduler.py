@@ -3,7 +3,9 @@
 This module is Django-free. It defines the values (`WorkItem`, `WorkerLease`), the claim
 policy, the `Scheduler` protocol every backend implements, the one claim-ordering rule
 (`fair_order`) that the in-memory and the database schedulers share, and
-`InMemoryScheduler`, the single-loop implementation.
+`InMemoryScheduler`, the single-loop implementation. `DatabaseScheduler` (queue state in
+``Run`` rows, safe across processes) lives in `scheduling.db_scheduler` and is re-exported
+here lazily, so importing this module never imports Django.
 
 Concurrency model of `InMemoryScheduler`: it belongs to one asyncio event loop and is not
 thread-safe. Every check-and-update runs as a synchronous section with no ``await`` inside,
@@ -1010,3 +1012,12 @@ class InMemoryScheduler:
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def __getattr__(name: str) -> Any:
+    # `DatabaseScheduler` needs Django; importing it lazily keeps this module Django-free.
+    if name == "DatabaseScheduler":
+        from scheduling.db_scheduler import DatabaseScheduler
+
+        return DatabaseScheduler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

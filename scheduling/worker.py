@@ -1,8 +1,14 @@
 """The worker process: one asyncio loop that claims runs and executes them.
 
-Composition: the claim loop (``scheduling.claims``), a heartbeat per run that renews its
-lease and notices cancellation, a snapshot publisher, and the executor named by
-``settings.SAGE_RUN_EXECUTOR`` (``agents.execution.RunExecutor``).
+Composition: a `DatabaseScheduler` over both run queues with one `SchedulerQuotaGroup`
+(``SAGE_SERVER_MAX_CONCURRENT_RUNS`` / ``…_PER_USER`` / ``SAGE_SERVER_MAX_PENDING_RUNS``,
+counted in the database, so they never multiply with queues or workers), a `Dispatcher`
+that supervises executions (lease renewal, cancellation, shutdown), a snapshot publisher
+(`WorkerSnapshot`), and the executor named by ``settings.SAGE_RUN_EXECUTOR``.
+
+Start-up recovery: a run found ``running`` with no live lease (its worker died) is requeued
+(the next claim is attempt + 1) or, once it used ``SAGE_MAX_RUN_ATTEMPTS`` claims, failed
+with ``execution.worker_restarted`` and archived.
 """
 
 from __future__ import annotations
@@ -13,36 +19,41 @@ import os
 import signal
 import socket
 import uuid
-from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from django.conf import settings
+from django.db.models import Count
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from sageproject.db import db_call
-from scheduling import claims
-from scheduling.models import WorkerSnapshot
-from scheduling.store import Fence, close_default_coordinator
+from scheduling.db_scheduler import DatabaseScheduler
+from scheduling.dispatcher import Dispatcher, Execution, archive_run
+from scheduling.models import Run, RunStatus, WorkerSnapshot
+from scheduling.scheduler import SchedulerQuotaGroup
+from scheduling.store import close_default_coordinator
 
 logger = logging.getLogger("sage.worker")
 
 SNAPSHOT_SECONDS = 3.0
-IDLE_POLL_SECONDS = 0.5
-BACKOFF_START, BACKOFF_MAX = 0.1, 5.0
 
 
-def _db(fn):
-    return lambda *args, **kwargs: db_call(fn, *args, **kwargs)
-
-
-@dataclass(slots=True)
-class Execution:
-    fence: Fence
-    task: asyncio.Task[Any]
-    stop: Any
-    started: datetime = field(default_factory=timezone.now)
+def queue_figures() -> dict[str, Any]:
+    """Running and queued root runs per user and per queue, from the database."""
+    rows = (
+        Run.objects.filter(status__in=[RunStatus.RUNNING, RunStatus.QUEUED], parent__isnull=True)
+        .values_list("owner_id", "queue", "status")
+        .annotate(n=Count("pk"))
+        .order_by()
+    )
+    per_user: dict[str, dict[str, int]] = {}
+    per_queue: dict[str, dict[str, int]] = {}
+    for owner, queue, status, n in rows:
+        key = "active" if status == RunStatus.RUNNING else "pending"
+        for bucket, name in ((per_user, str(owner)), (per_queue, queue)):
+            figures = bucket.setdefault(name, {"active": 0, "pending": 0})
+            figures[key] += n
+    return {"per_user": per_user, "per_queue": per_queue}
 
 
 class Worker:
@@ -52,15 +63,23 @@ class Worker:
         self,
         *,
         max_concurrent: int | None = None,
-        lease_seconds: int | None = None,
+        lease_seconds: float | None = None,
         heartbeat_seconds: float | None = None,
         grace_seconds: float | None = None,
         executor: Any = None,
         worker_id: str | None = None,
+        max_per_user: int | None = None,
+        cancel_poll_seconds: float = 1.0,
     ) -> None:
         sage = settings.SAGE
         self.max_concurrent = max_concurrent or sage["SAGE_SERVER_MAX_CONCURRENT_RUNS"]
+        self.max_per_user = min(
+            max_per_user or sage["SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER"], self.max_concurrent
+        )
+        self.max_pending = sage["SAGE_SERVER_MAX_PENDING_RUNS"]
         self.lease_seconds = lease_seconds or sage["SAGE_LEASE_SECONDS"]
+        # Renewal runs every third of the lease (BEHAVIOUR §3.6); the heartbeat setting
+        # is kept for compatibility and as an upper bound on that period.
         self.heartbeat_seconds = heartbeat_seconds or sage["SAGE_HEARTBEAT_SECONDS"]
         self.grace_seconds = (
             sage["SAGE_SHUTDOWN_GRACE_SECONDS"] if grace_seconds is None else grace_seconds
@@ -69,160 +88,111 @@ class Worker:
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.executor = executor or import_string(settings.SAGE_RUN_EXECUTOR)()
         self.started_at = timezone.now()
-        self.executions: dict[Any, Execution] = {}
-        self.completed = 0
+        self.quota = SchedulerQuotaGroup(self.max_concurrent, self.max_per_user, self.max_pending)
+        self.scheduler = DatabaseScheduler(
+            quota_group=self.quota,
+            max_pending_items=self.max_pending,
+            max_attempts=self.max_attempts,
+            on_failed=archive_run,
+        )
+        self.dispatcher = Dispatcher(
+            self.scheduler,
+            self.executor,
+            worker_id=self.worker_id,
+            max_concurrent_runs=self.max_concurrent,
+            max_concurrent_runs_per_user=self.max_per_user,
+            lease_seconds=float(self.lease_seconds),
+            cancel_poll_seconds=cancel_poll_seconds,
+        )
+        # Renewal runs every third of the lease, never less often than the heartbeat.
+        self.dispatcher.renew_interval = max(
+            min(float(self.lease_seconds) / 3, float(self.heartbeat_seconds)), 0.05
+        )
+        self.recovered = 0
+        self._figures: dict[str, Any] = {"per_user": {}, "per_queue": {}}
         self._stopping = asyncio.Event()
-        self._slot_freed = asyncio.Event()
+
+    # --- compatibility views --------------------------------------------------
+
+    @property
+    def executions(self) -> dict[str, Execution]:
+        return self.dispatcher.executions
+
+    @property
+    def completed(self) -> int:
+        return self.dispatcher.completed
 
     # --- lifecycle -------------------------------------------------------------
 
     def request_stop(self) -> None:
         """Stop claiming; running runs get the grace period (signal-handler safe)."""
         self._stopping.set()
-        self._slot_freed.set()
 
     async def run(self) -> None:
         """Run until ``request_stop``; then drain, requeue what is left and return."""
         await self.executor.start()
-        recovered = await _db(claims.recover_expired)(max_attempts=self.max_attempts)
-        if recovered:
-            logger.info("recovered %d run(s) left behind by a stopped worker", recovered)
+        try:
+            self.recovered = await self.scheduler.reap_expired()
+        except Exception as exc:  # the claim loop's reaping retries it
+            logger.warning("start-up recovery failed: %s", exc)
+        if self.recovered:
+            logger.info("recovered %d run(s) left behind by a stopped worker", self.recovered)
         publisher = asyncio.create_task(self._publish_loop(), name="snapshot-publisher")
         try:
-            await self._claim_loop()
+            await self.dispatcher.run(self._stopping)
         finally:
-            await self._drain()
+            await self.dispatcher.drain(self.grace_seconds)
+            await self.scheduler.close()
             publisher.cancel()
             await asyncio.gather(publisher, return_exceptions=True)
             await self.executor.close()
             await self._publish(stopped=True)
             await close_default_coordinator()
 
-    async def _claim_loop(self) -> None:
-        backoff = BACKOFF_START
-        last_recovery = 0.0
-        loop = asyncio.get_running_loop()
-        while not self._stopping.is_set():
-            if len(self.executions) >= self.max_concurrent:
-                self._slot_freed.clear()
-                await self._slot_freed.wait()
-                continue
-            try:
-                if loop.time() - last_recovery > self.lease_seconds / 2:
-                    last_recovery = loop.time()
-                    await _db(claims.recover_expired)(max_attempts=self.max_attempts)
-                claimed = await _db(claims.claim_next)(
-                    worker_id=self.worker_id, lease_seconds=self.lease_seconds
-                )
-            except Exception as exc:  # a restarted database must not kill the worker
-                logger.warning("claim failed (%s); retrying in %.1fs", exc, backoff)
-                await self._sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX)
-                continue
-            backoff = BACKOFF_START
-            if claimed is None:
-                await self._sleep(IDLE_POLL_SECONDS)
-                continue
-            fence, run_id = claimed
-            self._start(run_id, fence)
-
-    async def _sleep(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
-        except TimeoutError:
-            pass
-
-    def _start(self, run_id: Any, fence: Fence) -> None:
-        from agents.execution import StopSignal  # the executor's own signal type
-
-        stop = StopSignal()
-        task = asyncio.create_task(self._execute(run_id, fence, stop), name=f"run-{run_id}")
-        self.executions[run_id] = Execution(fence=fence, task=task, stop=stop)
-
-    async def _execute(self, run_id: Any, fence: Fence, stop: Any) -> None:
-        heartbeat = asyncio.create_task(self._heartbeat(run_id, fence, stop))
-        try:
-            status = await self.executor.execute(run_id, fence, stop)
-            logger.info("run %s %s", run_id, status)
-            self.completed += 1
-        except asyncio.CancelledError:
-            logger.info("run %s interrupted (%s)", run_id, stop.reason or "cancelled")
-        except Exception:
-            logger.exception("run %s crashed the executor", run_id)
-        finally:
-            heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
-            self.executions.pop(run_id, None)
-            self._slot_freed.set()
-
-    async def _heartbeat(self, run_id: Any, fence: Fence, stop: Any) -> None:
-        """Renew the lease; cancel the execution when it is lost or cancellation is asked."""
-        interval = min(self.heartbeat_seconds, 1.0)
-        since_renewal = 0.0
-        while True:
-            await asyncio.sleep(interval)
-            since_renewal += interval
-            try:
-                if since_renewal >= self.heartbeat_seconds:
-                    since_renewal = 0.0
-                    held, cancel = await _db(claims.renew)(fence, lease_seconds=self.lease_seconds)
-                else:
-                    held, cancel = True, await _db(_cancel_requested)(run_id)
-            except Exception as exc:
-                logger.warning("lease renewal for run %s failed: %s", run_id, exc)
-                continue
-            execution = self.executions.get(run_id)
-            if execution is None:
-                return
-            if not held:
-                stop.reason = "lease_lost"
-                execution.task.cancel()
-                return
-            if cancel:
-                stop.reason = "cancelled"
-                execution.task.cancel()
-                return
-
-    async def _drain(self) -> None:
-        """Let running runs finish within the grace period, then requeue the rest."""
-        if not self.executions:
-            return
-        tasks = [e.task for e in self.executions.values()]
-        logger.info("waiting up to %ss for %d running run(s)", self.grace_seconds, len(tasks))
-        await asyncio.wait(tasks, timeout=self.grace_seconds)
-        leftover = list(self.executions.items())
-        for _run_id, execution in leftover:
-            execution.stop.reason = "shutdown"
-            execution.task.cancel()
-        await asyncio.gather(*(e.task for _, e in leftover), return_exceptions=True)
-        reason = {
-            "code": "scheduler.worker_shutdown",
-            "category": "UNAVAILABLE",
-            "message": "the worker shut down; the run was requeued",
-            "retryable": True,
-            "resumable": True,
-        }
-        for run_id, execution in leftover:
-            try:
-                await _db(claims.requeue)(execution.fence, reason=reason)
-                logger.info("requeued run %s on shutdown", run_id)
-            except Exception as exc:
-                logger.warning("could not requeue run %s (%s); its lease will expire", run_id, exc)
-
     # --- snapshots -------------------------------------------------------------
 
     def capacity(self) -> dict[str, Any]:
+        """Figures for the capacity page: runs (local and per user/queue) and scheduler.
+
+        ``per_user``/``per_queue`` hold ``{"active", "pending", "local"}``: active and
+        pending are root runs in the database (all workers, refreshed with every
+        snapshot); ``local`` counts this worker's executions.
+        """
+        dispatcher = self.dispatcher
+        local = dispatcher.local_figures()
+        per_user = {k: dict(v) for k, v in self._figures["per_user"].items()}
+        per_queue = {k: dict(v) for k, v in self._figures["per_queue"].items()}
+        for bucket, counts in ((per_user, local["per_user"]), (per_queue, local["per_queue"])):
+            for name, n in counts.items():
+                bucket.setdefault(name, {"active": 0, "pending": 0})["local"] = n
         return {
             "runs": {
-                "active": len(self.executions),
+                "active": len(dispatcher.executions),
                 "max_concurrent": self.max_concurrent,
-                "completed": self.completed,
-                "running": [str(run_id) for run_id in self.executions],
+                "max_per_user": self.max_per_user,
+                "max_pending": self.max_pending,
+                "completed": dispatcher.completed,
+                "running": list(dispatcher.executions),
+                "per_user": per_user,
+                "per_queue": per_queue,
+            },
+            "scheduler": {
+                **self.scheduler.snapshot(),
+                "lease_seconds": float(self.lease_seconds),
+                "renew_seconds": dispatcher.renew_interval,
+                "recovered_at_start": self.recovered,
+                "claim_errors": dispatcher.claim_errors,
+                "last_claim_error": dispatcher.last_claim_error,
+                "permanent_error": dispatcher.permanent_error,
             },
             "executor": self.executor.capacity(),
         }
 
     async def _publish(self, *, stopped: bool = False) -> None:
+        try:
+            self._figures = await db_call(queue_figures)
+        except Exception as exc:
+            logger.warning("could not count the queues: %s", exc)
         now = timezone.now()
         defaults = {
             "host": socket.gethostname(),
@@ -233,8 +203,8 @@ class Worker:
             "capacity": self.capacity(),
         }
         try:
-            await _db(WorkerSnapshot.objects.update_or_create)(
-                worker_id=self.worker_id, defaults=defaults
+            await db_call(
+                WorkerSnapshot.objects.update_or_create, worker_id=self.worker_id, defaults=defaults
             )
         except Exception as exc:
             logger.warning("could not publish the worker snapshot: %s", exc)
@@ -245,13 +215,8 @@ class Worker:
             await asyncio.sleep(SNAPSHOT_SECONDS)
 
 
-def _cancel_requested(run_id: Any) -> bool:
-    from scheduling.models import Run
-
-    return Run.objects.filter(pk=run_id, cancel_requested=True).exists()
-
-
 def install_signal_handlers(worker: Worker) -> None:
+    """SIGTERM/SIGINT ask ``worker`` to stop (drain, requeue, exit)."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)

@@ -78,6 +78,8 @@ def start_worker() -> Iterator[Callable[..., WorkerThread]]:
         options.setdefault("lease_seconds", 6)
         options.setdefault("heartbeat_seconds", 1)
         options.setdefault("grace_seconds", 5)
+        # Cancellation requests are noticed by polling; a short period keeps tests quick.
+        options.setdefault("cancel_poll_seconds", 0.2)
         worker = WorkerThread(**options).start()
         started.append(worker)
         return worker

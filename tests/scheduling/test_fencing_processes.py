@@ -1,0 +1,192 @@
+"""Fencing across processes: a worker paused past its lease can never write again.
+
+Two real ``manage.py runworker`` processes share the test database. Worker A claims a slow
+run and is frozen with SIGSTOP mid-run. Its pause outlives its lease — the test moves the
+lease deadline into the past instead of waiting out a real lease, which keeps A's own
+renewer (every 20 s) out of the picture. Worker B starts, finds the run without a live
+lease, requeues and claims it under a larger fencing token, and completes it. Then A is
+resumed: its model stream finishes and it tries to commit the assistant message under its
+old token. The database refuses (``scheduler.fence_rejected``) and nothing A wrote after
+losing the lease is stored: the session holds exactly B's events, contiguous, and the run's
+final state carries B's token.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from pooling.models import ModelRecord, Protocol
+from scheduling.models import Event, Run, RunStatus
+from tests.conftest import demo_manifest
+from tests.e2e.conftest import wait_for
+
+pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
+
+ROOT = Path(__file__).resolve().parents[2]
+WORDS = 30
+TOKEN_DELAY_MS = 60
+
+
+def database_url() -> str:
+    """A DATABASE_URL that points a subprocess at this test's database."""
+    s = connection.settings_dict
+    vendor = connection.vendor
+    if vendor == "sqlite":
+        return f"sqlite:///{s['NAME']}"
+    scheme = {"postgresql": "postgres", "mysql": "mysql"}[vendor]
+    auth = quote(s["USER"] or "")
+    if s["PASSWORD"]:
+        auth += ":" + quote(s["PASSWORD"])
+    host = s["HOST"] or "127.0.0.1"
+    port = f":{s['PORT']}" if s["PORT"] else ""
+    return f"{scheme}://{auth}@{host}{port}/{s['NAME']}"
+
+
+class WorkerProcess:
+    def __init__(self, name: str, log_dir: Path) -> None:
+        self.log = log_dir / f"{name}.log"
+        env = {
+            **os.environ,
+            "DATABASE_URL": database_url(),
+            "SAGE_LEASE_SECONDS": "60",
+            "SAGE_HEARTBEAT_SECONDS": "20",
+            "SAGE_SHUTDOWN_GRACE_SECONDS": "2",
+            "LOG_LEVEL": "INFO",
+            "PYTHONUNBUFFERED": "1",
+        }
+        env.pop("SAGE_TEST_DB_NAME", None)
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "manage.py", "runworker"],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    @property
+    def owner_marker(self) -> str:
+        # Worker ids are "host:pid:suffix".
+        return f":{self.proc.pid}:"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[dict[str, WorkerProcess]]:
+    started: dict[str, WorkerProcess] = {}
+    yield started
+    for worker in started.values():
+        worker.stop()
+
+
+@pytest.fixture
+def slow_run(alice) -> Run:
+    from agents import packages, services
+
+    ModelRecord.objects.create(
+        owner=None,
+        name="slowfence",
+        protocol=Protocol.SCRIPTED,
+        model="slowfence",
+        options={
+            "token_delay_ms": TOKEN_DELAY_MS,
+            "script": [{"text": " ".join(["word"] * WORDS)}],
+        },
+    )
+    packages.package_create(owner=alice, manifest=demo_manifest(name="slowpkg", model="slowfence"))
+    session = services.session_create(owner=alice, package="slowpkg", agent="assistant")
+    run, _ = services.run_submit(owner=alice, session_id=session.pk, input="talk slowly")
+    return run
+
+
+def _event_types(run: Run) -> list[tuple[int, str, str | None]]:
+    return [
+        (e.seq, e.type, e.payload.get("role"))
+        for e in Event.objects.filter(session_id=run.session_id).order_by("seq")
+    ]
+
+
+def test_it_rejects_every_write_of_a_worker_resumed_after_losing_its_lease(
+    slow_run, workers, tmp_path
+):
+    a = workers["a"] = WorkerProcess("a", tmp_path)
+
+    def a_is_mid_run() -> bool:
+        run = Run.objects.get(pk=slow_run.pk)
+        return (
+            run.status == RunStatus.RUNNING
+            and a.owner_marker in run.lease_owner
+            and Event.objects.filter(run_id=slow_run.pk).count() >= 2
+        )
+
+    wait_for(a_is_mid_run, timeout=30, message="worker A to start the run")
+    a.signal(signal.SIGSTOP)
+    token_a = Run.objects.get(pk=slow_run.pk).lease_token
+    # A's pause outlives its lease.
+    assert (
+        Run.objects.filter(pk=slow_run.pk, lease_token=token_a).update(
+            lease_expires_at=timezone.now() - timezone.timedelta(seconds=1)
+        )
+        == 1
+    )
+
+    b = workers["b"] = WorkerProcess("b", tmp_path)
+    wait_for(
+        lambda: Run.objects.get(pk=slow_run.pk).status == RunStatus.COMPLETED,
+        timeout=30,
+        message="worker B to take the run over and complete it",
+    )
+    events_before_resume = _event_types(slow_run)
+
+    a.signal(signal.SIGCONT)
+    wait_for(
+        lambda: "scheduler.fence_rejected" in a.output(),
+        timeout=20,
+        message="worker A's write to be rejected",
+    )
+    a.stop()
+    b.stop()
+
+    run = Run.objects.get(pk=slow_run.pk)
+    assert run.status == RunStatus.COMPLETED
+    assert run.lease_token > token_a
+    assert f"run {slow_run.pk} completed" in b.output()
+    assert run.attempts == 2
+    assert run.result["text"] == " ".join(["word"] * WORDS)
+    events = _event_types(slow_run)
+    assert events == events_before_resume
+    assert [seq for seq, _, _ in events] == list(range(1, len(events) + 1))
+    assert [(t, role) for _, t, role in events] == [
+        ("run.started", None),
+        ("message.completed", "user"),
+        ("run.started", None),
+        ("message.completed", "assistant"),
+        ("run.completed", None),
+    ]
+    assert "lost its lease" in a.output()

@@ -1,0 +1,130 @@
+"""Quotas hold while many runs execute: sampled from the database, across two dispatchers.
+
+200 runs of 10 users go through two dispatchers (two "workers", 8 slots each) that share
+only the database: the global limit of 8 and the per-user limit of 2 are counted there, so
+they must hold across both. A sampler queries the running root runs over and over; the
+first executions wait until the sampler has seen the limit reached, so the test proves the
+limits are both reached and never exceeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from django.db.models import Count
+
+from agents.execution import StopSignal
+from sageproject.db import db_call
+from scheduling.db_scheduler import DatabaseScheduler
+from scheduling.dispatcher import Dispatcher
+from scheduling.models import Run, RunStatus
+from scheduling.scheduler import SchedulerQuotaGroup
+from scheduling.store import Fence, close_default_coordinator
+from tests.scheduling.test_dispatcher import finish_sync, make_runs, seqs_by_session
+
+pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
+
+BOUND = 120.0
+GLOBAL, PER_USER = 8, 2
+
+
+def running_per_user() -> dict[int, int]:
+    return dict(
+        Run.objects.filter(status=RunStatus.RUNNING, parent__isnull=True)
+        .values_list("owner_id")
+        .annotate(n=Count("pk"))
+        .order_by()
+    )
+
+
+class SharedExecutor:
+    """Executes for several dispatchers (found by the fence's lease owner)."""
+
+    def __init__(self, runs: dict[str, str], seen_full: asyncio.Event) -> None:
+        self.runs = runs
+        self.seen_full = seen_full
+        self.dispatchers: dict[str, Dispatcher] = {}
+        self.finished = 0
+        self.all_done = asyncio.Event()
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def capacity(self) -> dict[str, Any]:
+        return {}
+
+    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> str:
+        store = self.dispatchers[fence.lease_owner].store
+        run_key = str(run_id)
+        try:
+            # Hold the first wave until the sampler saw the limit reached.
+            await asyncio.wait_for(self.seen_full.wait(), BOUND)
+            for i in range(2):
+                await store.commit(self.runs[run_key], run_id=run_key, drafts=[("note", {"i": i})])
+            await db_call(finish_sync, fence, RunStatus.COMPLETED)
+            return RunStatus.COMPLETED
+        finally:
+            self.finished += 1
+            if self.finished == len(self.runs):
+                self.all_done.set()
+
+
+@pytest.fixture
+def runs_10x20(db) -> dict[str, str]:
+    return make_runs(10, 20)
+
+
+async def test_it_never_exceeds_the_limits_while_200_runs_of_10_users_execute(runs_10x20):
+    seen_full = asyncio.Event()
+    executor = SharedExecutor(runs_10x20, seen_full)
+    dispatchers = []
+    for name in ("worker-a", "worker-b"):
+        scheduler = DatabaseScheduler(quota_group=SchedulerQuotaGroup(GLOBAL, PER_USER, 1024))
+        dispatcher = Dispatcher(
+            scheduler,
+            executor,
+            worker_id=name,
+            max_concurrent_runs=GLOBAL,
+            max_concurrent_runs_per_user=PER_USER,
+            lease_seconds=30,
+        )
+        executor.dispatchers[name] = dispatcher
+        dispatchers.append(dispatcher)
+    samples: list[dict[int, int]] = []
+
+    async def sample() -> None:
+        while not executor.all_done.is_set():
+            counts = await db_call(running_per_user)
+            samples.append(counts)
+            if sum(counts.values()) == GLOBAL:
+                seen_full.set()
+
+    stopping = asyncio.Event()
+    sampler = asyncio.create_task(sample())
+    loops = [asyncio.create_task(d.run(stopping)) for d in dispatchers]
+    try:
+        await asyncio.wait_for(executor.all_done.wait(), BOUND)
+    finally:
+        stopping.set()
+        await asyncio.wait_for(asyncio.gather(*loops, sampler), BOUND)
+        for dispatcher in dispatchers:
+            await dispatcher.drain(5.0)
+            await dispatcher.scheduler.close()
+        await close_default_coordinator()
+
+    assert seen_full.is_set()
+    assert max(sum(s.values()) for s in samples) == GLOBAL
+    assert max(max(s.values(), default=0) for s in samples) == PER_USER
+    assert sum(d.completed for d in dispatchers) == 200
+    assert all(d.completed > 0 for d in dispatchers)
+    statuses = await db_call(
+        lambda: set(Run.objects.filter(pk__in=list(runs_10x20)).values_list("status", flat=True))
+    )
+    assert statuses == {RunStatus.COMPLETED}
+    seqs = await db_call(seqs_by_session, list(runs_10x20.values()))
+    assert all(s == [1, 2] for s in seqs.values())
