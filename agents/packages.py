@@ -46,23 +46,15 @@ def package_manifest(package: AgentPackage) -> Manifest:
 # --- readiness ---------------------------------------------------------------------------
 
 
-async def _discovery_only(args: dict[str, Any], ctx: Any) -> str:
-    # Readiness lists tools and never executes one (BEHAVIOUR §5.12).
-    raise RuntimeError("readiness discovery never executes a tool")
-
-
 def registries() -> tuple[ToolRegistry, SkillRegistry]:
-    """The tools (the code tools too when ``SAGE_CODE_TOOLS`` is on, as the worker
-    registers them) and skills as configured now (skills re-scanned: one may have gone)."""
+    """The tools as the worker registers them (job tools; the code tools when
+    ``SAGE_CODE_TOOLS`` is on) and the skills as configured now (re-scanned: one may have
+    gone). Readiness only lists them; it never executes one."""
+    from agents.code_tools import discovery_tools
     from agents.jobs.tools import JOB_TOOLS
 
-    extra = list(JOB_TOOLS)
-    if settings.SAGE.get("SAGE_CODE_TOOLS"):
-        from agents.code_tools import DEFAULT_LIMITS, tool_definitions
-
-        extra += tool_definitions(DEFAULT_LIMITS, _discovery_only, _discovery_only)
     return (
-        build_registry(settings.SAGE_TOOL_MODULES, extra=extra),
+        build_registry(settings.SAGE_TOOL_MODULES, extra=[*JOB_TOOLS, *discovery_tools()]),
         SkillRegistry.from_dirs(settings.SAGE_SKILL_DIRS),
     )
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from pooling.elastic import ElasticPool
+from pooling.elastic import ElasticPool, SpareFactory
 from sageproject.errors import ErrorCategory, SageError
 
 DEFAULT_OUTPUT_BYTES = 64 * 1024
@@ -53,7 +53,9 @@ _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 # The child side. Kept dependency-free (stdlib only) because it runs under ``-I -S``.
 DRIVER = r"""
-import _ast, os, resource, signal, sys, time
+# ``_signal``, not ``signal``: the latter imports enum, functools and collections, which
+# cost about a third of a boot (~7 ms on a small machine) for two constants.
+import _ast, _signal, os, resource, sys, time
 
 CPU, MEM, CAP, PERSIST = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 ONLY_AST = 0x400  # PyCF_ONLY_AST; avoids importing ``ast`` (a third of the boot time)
@@ -125,7 +127,7 @@ def main():
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if MEM:
         resource.setrlimit(resource.RLIMIT_AS, (MEM, MEM))
-    signal.signal(signal.SIGINT, on_sigint)
+    _signal.signal(_signal.SIGINT, on_sigint)
     namespace = {"__name__": "__main__"}
     proto_out.write(b"ready %d\n" % os.getpid())
     proto_out.flush()
@@ -486,18 +488,35 @@ def interpreter_pool(
     limits: InterpreterLimits | None = None,
     resident: int = 1,
     janitor_interval: float = 30.0,
+    spares: int = 0,
 ) -> ElasticPool[WarmInterpreter]:
-    """An :class:`ElasticPool` of warm interpreters for one tool source."""
+    """An :class:`ElasticPool` of warm interpreters for one tool source.
 
-    async def factory() -> WarmInterpreter:
+    ``spares`` > 0 wraps the boot in a :class:`~pooling.elastic.SpareFactory`: that many
+    interpreters boot ahead of demand while the pool grows, so a miss rarely waits a whole
+    boot; the janitor trims them to one when the pool sits idle; they close with the pool.
+    """
+
+    async def boot() -> WarmInterpreter:
         return await WarmInterpreter.boot(limits=limits)
 
+    if spares <= 0:
+        return ElasticPool(
+            boot,
+            close_interpreter,
+            max_size=max_size,
+            resident=resident,
+            janitor_interval=janitor_interval,
+        )
+    factory = SpareFactory(boot, close_interpreter, spares=spares)
     return ElasticPool(
         factory,
         close_interpreter,
         max_size=max_size,
         resident=resident,
         janitor_interval=janitor_interval,
+        on_close=factory.close,
+        on_idle=factory.trim,
     )
 
 

@@ -141,6 +141,10 @@ class Run(models.Model):
         indexes = [
             # The worker's claim query: queued runs that are available, oldest first.
             models.Index(fields=["status", "available_at", "created_at"], name="run_claim"),
+            # The fair claim's per-tenant window over queued runs (best head row per owner).
+            models.Index(
+                fields=["status", "owner", "-priority", "created_at"], name="run_fair_claim"
+            ),
             # Per-user quota counts and the owner's run list.
             models.Index(fields=["owner", "status"], name="run_owner_status"),
             # Reaping expired leases.

@@ -9,7 +9,15 @@ from collections.abc import Callable
 
 import pytest
 
-from pooling.elastic import ElasticPool, Janitor, PoolStats, grow_step_for, shrink_step_for
+from pooling.elastic import (
+    ElasticPool,
+    Janitor,
+    PoolStats,
+    SpareFactory,
+    grow_step_for,
+    shrink_step_for,
+    spares_for,
+)
 from sageproject.errors import SageError
 
 
@@ -444,3 +452,108 @@ async def test_it_lets_queued_callers_grow_when_the_ceiling_is_raised() -> None:
     assert pool.stats().created == 2
     release.set()
     await asyncio.gather(*tasks, waiter)
+
+
+# --- spares booted ahead of demand -------------------------------------------------------------
+
+
+def spare_pool(
+    boots: Boots, spares: int, **kwargs: object
+) -> tuple[ElasticPool[int], SpareFactory[int]]:
+    factory = SpareFactory(boots.factory, boots.closer, spares=spares)
+    kwargs.setdefault("max_size", 64)
+    pool = ElasticPool(  # type: ignore[misc]
+        factory, boots.closer, on_close=factory.close, on_idle=factory.trim,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    return pool, factory
+
+
+def test_it_derives_the_spares_from_the_grow_step() -> None:
+    assert [spares_for(n) for n in (1, 8, 9, 17, 64, 76)] == [1, 1, 2, 3, 3, 3]
+
+
+async def test_it_hands_a_miss_the_spare_booted_ahead() -> None:
+    boots = Boots()
+    pool, factory = spare_pool(boots, 1)
+    tasks, release = await hold_many(pool, 1)  # boots state 1 and, ahead of demand, spare 2
+    await until(lambda: boots.booted == 2)
+    boots.gate = asyncio.Event()  # from now on no boot can finish
+    async with pool.checkout() as state:
+        # The miss got the booted spare without waiting for a boot; a refill is under way.
+        assert state == 2
+        assert factory.held == 1
+    release.set()
+    await asyncio.gather(*tasks)
+    boots.gate.set()
+    await pool.close()
+
+
+async def test_it_keeps_the_pool_policy_with_spares_two_overlapping_requests_make_two() -> None:
+    boots = Boots()
+    pool, factory = spare_pool(boots, 1, max_size=76)
+    tasks, release = await hold_many(pool, 2)
+    release.set()
+    await asyncio.gather(*tasks)
+    assert pool.stats().created == 2  # the spare is not a pool state
+    assert factory.held == 1
+    await pool.close()
+
+
+async def test_it_trims_spares_to_one_once_the_pool_sits_idle_and_regrows_them() -> None:
+    boots = Boots()
+    pool, factory = spare_pool(boots, 3)
+    await grow_to(pool, 2)
+    await until(lambda: boots.booted == 5)  # two states, three spares
+    assert factory.held == 3
+    await pool.reclaim_once()  # the round that saw the checkouts
+    await pool.reclaim_once()  # first idle round: grace
+    assert factory.held == 3
+    await pool.reclaim_once()  # second idle round
+    assert (pool.stats().created, factory.held) == (1, 1)  # the floor plus one spare at rest
+    assert len(boots.closed) == 3
+    tasks, release = await hold_many(pool, 2)  # the second caller misses and takes the spare
+    await until(lambda: factory.held == 3)
+    release.set()
+    await asyncio.gather(*tasks)
+    await pool.close()
+
+
+async def test_it_keeps_the_spares_under_steady_traffic_that_does_not_grow_the_pool() -> None:
+    boots = Boots()
+    pool, factory = spare_pool(boots, 2)
+    await grow_to(pool, 1)
+    await until(lambda: factory.held == 2)
+    for _ in range(4):  # one checkout per janitor round: never idle, never growing
+        async with pool.checkout():
+            pass
+        await pool.reclaim_once()
+    assert factory.held == 2
+    await pool.close()
+
+
+async def test_it_closes_the_spares_with_the_pool() -> None:
+    boots = Boots()
+    pool, factory = spare_pool(boots, 2)
+    await grow_to(pool, 1)
+    await pool.close()
+    assert factory.held == 0
+    assert sorted(boots.closed) == [1, 2, 3]  # the pool's state and both spares
+    with pytest.raises(SageError) as info:
+        await factory()
+    assert info.value.code == "server.elastic_pool_closed"
+
+
+async def test_it_keeps_a_spare_whose_caller_was_cancelled() -> None:
+    boots = Boots()
+    boots.gate = asyncio.Event()
+    factory = SpareFactory(boots.factory, boots.closer, spares=0)
+    call = asyncio.create_task(factory())
+    await boots.started.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert factory.held == 1  # the boot goes on and becomes the next caller's state
+    boots.gate.set()
+    assert await factory() == 1
+    await factory.close()

@@ -108,8 +108,10 @@ class Command(BaseCommand):
         creds = Path(settings.LOCAL_DIR) / "admin_credentials"
         if password:
             login = f"user admin, password {password}  (also kept in {creds})"
-        else:
+        elif creds.exists():
             login = f"user admin; password and token in {creds}"
+        else:
+            login = "user admin (created outside make run: `manage.py changepassword admin`)"
         curl = (
             f"TOKEN={token}\n"
             f'SESSION=$(curl -s -H "Authorization: Token $TOKEN" -H "Content-Type: application/json" \\\n'
