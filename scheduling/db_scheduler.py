@@ -51,6 +51,7 @@ from scheduling.scheduler import (
     ClaimCandidate,
     ClaimOrder,
     LeaseReleaseReason,
+    RunPins,
     SchedulerCapabilities,
     SchedulerClaimPolicy,
     SchedulerQuotaGroup,
@@ -59,7 +60,6 @@ from scheduling.scheduler import (
     _as_timedelta,
     _content,
     _Ledger,
-    _Pin,
     _wake,
     closed_error,
     fair_order,
@@ -182,7 +182,7 @@ class DatabaseScheduler:
         self._idempotency: dict[str, str] = {}
         self._terminal: deque[str] = deque()
         self._leases: dict[str, WorkerLease] = {}
-        self._pins: dict[str, _Pin] = {}
+        self._pins = RunPins(self._unpinned)
         self._closed = False
         self._drained: asyncio.Event | None = None
         self._fence_row_ready = False
@@ -751,7 +751,7 @@ class DatabaseScheduler:
         """
         reason = LeaseReleaseReason(reason)
         run_id = lease.run_id
-        await self._pin(run_id)
+        await self._pins.acquire(run_id)
         try:
             ok = await self._db(
                 self._release_sync, lease, reason, requeue, error, self._clock(), False
@@ -765,7 +765,7 @@ class DatabaseScheduler:
                 self._finish(run_id)
             self._ledger.notify()
         finally:
-            self._unpin(run_id)
+            self._pins.release(run_id)
 
     def _requeue_token_sync(self, run_id: str, worker_id: str, token: int) -> None:
         Run.objects.using(self.using).filter(
@@ -802,7 +802,7 @@ class DatabaseScheduler:
         run_id = self._resolve(work_id)
         if run_id is None:
             return False
-        await self._pin(run_id)
+        await self._pins.acquire(run_id)
         try:
             cancelled = await self._db(self._cancel_sync, run_id, self._clock())
             lease = self._lease_of_run(run_id)
@@ -813,39 +813,11 @@ class DatabaseScheduler:
                 self._ledger.notify()
             return cancelled
         finally:
-            self._unpin(run_id)
+            self._pins.release(run_id)
 
     # ----------------------------------------------------------------- fenced writes
 
-    async def _pin(self, run_id: str) -> None:
-        """Take the run's pin, queueing FIFO behind a write (or release) in flight."""
-        pin = self._pins.get(run_id)
-        if pin is None:
-            self._pins[run_id] = _Pin()
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        pin.waiters.append(fut)
-        try:
-            await fut
-        except BaseException:
-            if fut.done() and not fut.cancelled():
-                self._unpin(run_id)  # handed to us as we were cancelled: pass it on
-            else:
-                try:
-                    pin.waiters.remove(fut)
-                except ValueError:
-                    pass
-            raise
-
-    def _unpin(self, run_id: str) -> None:
-        # Synchronous, so a cancelled caller cannot be interrupted half-way.
-        pin = self._pins[run_id]
-        while pin.waiters:
-            fut = pin.waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
-        del self._pins[run_id]
+    def _unpinned(self, run_id: str) -> None:
         # An expiry skipped while the run was pinned may be due now.
         self._ledger.notify()
         if not self._pins and self._drained is not None:
@@ -864,7 +836,7 @@ class DatabaseScheduler:
         if self._closed:
             raise closed_error()
         run_id = lease.run_id
-        await self._pin(run_id)
+        await self._pins.acquire(run_id)
         try:
             if self._closed:
                 raise closed_error()
@@ -884,7 +856,7 @@ class DatabaseScheduler:
             # is what stops a worker whose lease another process took over.
             return await operation()
         finally:
-            self._unpin(run_id)
+            self._pins.release(run_id)
 
     def _run_fenced_sync(self, lease: WorkerLease, fn: Callable[[], T]) -> T:
         with transaction.atomic(using=self.using):

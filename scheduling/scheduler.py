@@ -21,7 +21,7 @@ import asyncio
 import heapq
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -388,13 +388,68 @@ class _Entry:
         self.queued = False
 
 
-class _Pin:
-    """A run that is mid-write; later writers, release and cancel queue behind it."""
+class RunPins:
+    """Per-run write pins: one holder per run, later takers queue FIFO behind it.
 
-    __slots__ = ("waiters",)
+    Both schedulers use it for ``execute_fenced``, ``release`` and ``cancel``. ``release``
+    is synchronous on purpose: a cancelled caller cannot be interrupted half-way, so
+    repeated cancellation never leaves a run pinned, and the uncontended path
+    (``try_acquire``) creates no future and no task. ``on_free(run_id)`` runs when a run's
+    last pin is released.
+    """
 
-    def __init__(self) -> None:
-        self.waiters: deque[asyncio.Future[None]] = deque()
+    __slots__ = ("_on_free", "_pins")
+
+    def __init__(self, on_free: Callable[[str], None]) -> None:
+        self._pins: dict[str, deque[asyncio.Future[None]]] = {}
+        self._on_free = on_free
+
+    def __contains__(self, run_id: object) -> bool:
+        return run_id in self._pins
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._pins)
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def try_acquire(self, run_id: str) -> bool:
+        """Take the pin if nobody holds it; never waits."""
+        if run_id in self._pins:
+            return False
+        self._pins[run_id] = deque()
+        return True
+
+    async def acquire(self, run_id: str) -> None:
+        """Take the run's pin, queueing FIFO behind a write (or release) in flight."""
+        waiters = self._pins.get(run_id)
+        if waiters is None:
+            self._pins[run_id] = deque()
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters.append(fut)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release(run_id)  # handed to us just as we were cancelled: pass it on
+            else:
+                try:
+                    waiters.remove(fut)
+                except ValueError:
+                    pass
+            raise
+
+    def release(self, run_id: str) -> None:
+        """Hand the pin to the oldest live waiter, or free the run."""
+        waiters = self._pins[run_id]
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        del self._pins[run_id]
+        self._on_free(run_id)
 
 
 def _as_timedelta(value: timedelta | float) -> timedelta:
@@ -449,7 +504,7 @@ class InMemoryScheduler:
         self._expiries: list[tuple[datetime, int, str]] = []
         # Expired leases of pinned runs, put back on the heap when the pin clears.
         self._deferred: dict[str, tuple[datetime, int, str]] = {}
-        self._pins: dict[str, _Pin] = {}
+        self._pins = RunPins(self._unpinned)
         self._closed = False
         self._finalized = False
         self._drained: asyncio.Event | None = None
@@ -823,7 +878,7 @@ class InMemoryScheduler:
         """
         reason = LeaseReleaseReason(reason)
         run_id = lease.work.run_id
-        await self._pin(run_id)
+        await self._pins.acquire(run_id)
         try:
             stored = self._admit(lease)
             now = self._clock()
@@ -836,7 +891,7 @@ class InMemoryScheduler:
                 self._finish(entry)
             self._ledger.notify()
         finally:
-            self._unpin(run_id)
+            self._pins.release(run_id)
 
     def _finish(self, entry: _Entry) -> None:
         """Forget a finished or cancelled item, keeping its key as terminal."""
@@ -860,7 +915,7 @@ class InMemoryScheduler:
         if entry is None:
             return False
         run_id = entry.work.run_id
-        await self._pin(run_id)
+        await self._pins.acquire(run_id)
         try:
             entry = self._items.get(work_id)
             if entry is None:
@@ -873,7 +928,7 @@ class InMemoryScheduler:
             self._ledger.notify()
             return True
         finally:
-            self._unpin(run_id)
+            self._pins.release(run_id)
 
     def _unqueue(self, entry: _Entry) -> None:
         # Eager removal keeps the heaps free of cancelled (possibly far-future) items.
@@ -893,37 +948,7 @@ class InMemoryScheduler:
 
     # ----------------------------------------------------------------- fenced writes
 
-    async def _pin(self, run_id: str) -> None:
-        """Take the run's pin, queueing FIFO behind a write (or release) in flight."""
-        pin = self._pins.get(run_id)
-        if pin is None:
-            self._pins[run_id] = _Pin()
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        pin.waiters.append(fut)
-        try:
-            await fut
-        except BaseException:
-            if fut.done() and not fut.cancelled():
-                # The pin was handed to us just as we were cancelled: pass it on.
-                self._unpin(run_id)
-            else:
-                try:
-                    pin.waiters.remove(fut)
-                except ValueError:
-                    pass
-            raise
-
-    def _unpin(self, run_id: str) -> None:
-        # Synchronous on purpose: a cancelled caller cannot be interrupted half-way, so
-        # repeated cancellation never leaves a pin behind, and no task is created per write.
-        pin = self._pins[run_id]
-        while pin.waiters:
-            fut = pin.waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
-        del self._pins[run_id]
+    def _unpinned(self, run_id: str) -> None:
         if self._deferred:
             self._restore_deferred(run_id)
         if not self._pins and self._closed:
@@ -958,17 +983,15 @@ class InMemoryScheduler:
             raise closed_error()
         run_id = lease.work.run_id
         pins = self._pins
-        if run_id in pins:
-            await self._pin(run_id)
-        else:
-            pins[run_id] = _Pin()
+        if not pins.try_acquire(run_id):
+            await pins.acquire(run_id)
         try:
             if self._closed:
                 raise closed_error()
             self._admit(lease)
             return await operation()
         finally:
-            self._unpin(run_id)
+            self._pins.release(run_id)
 
     # ----------------------------------------------------------------- close
 

@@ -79,11 +79,18 @@ def main() -> int:
         results.append((f"{label} (storage tests)", code, summary))
     print("\n=== summary")
     failed = False
+    totals = {"passed": 0, "failed": 0, "skipped": 0}
     for label, code, summary in results:
         # Exit code 5 means pytest collected no tests: a suite that tests nothing fails.
         verdict = "ok" if code == 0 else ("NO TESTS RAN" if code == 5 else "FAILED")
         failed |= code != 0
         print(f"{label:32} {verdict:12} {summary}")
+        for count, word in re.findall(r"(\d+) (passed|failed|skipped|error)", summary):
+            totals["failed" if word == "error" else word] += int(count)
+        if code != 0 and not re.search(r"\d+ (failed|error)", summary):
+            totals["failed"] += 1  # a run that broke without a count still fails the total
+    print(f"total: {totals['passed']} passed, {totals['failed']} failed, "
+          f"{totals['skipped']} skipped")
     return 1 if failed else 0
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Protocol
@@ -261,6 +261,11 @@ class JobRuntimeCapabilities:
     terminal_ttl_seconds: float
     max_retained_terminal_jobs: int
     output_reconnect_window_seconds: float
+
+    @classmethod
+    def with_limits(cls, limits: JobLimits, **flags: bool) -> JobRuntimeCapabilities:
+        """The runtime's ``flags`` plus every limit copied from ``limits``."""
+        return cls(**flags, **{f.name: getattr(limits, f.name) for f in fields(JobLimits)})
 
 
 class Emit(Protocol):

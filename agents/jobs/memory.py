@@ -532,8 +532,8 @@ class InMemoryJobRuntime:
 
     @property
     def capabilities(self) -> JobRuntimeCapabilities:
-        limits = self.limits
-        return JobRuntimeCapabilities(
+        return JobRuntimeCapabilities.with_limits(
+            self.limits,
             durable=False,
             reconnect=False,
             adoption=True,
@@ -542,15 +542,6 @@ class InMemoryJobRuntime:
             terminal_purge=True,
             automatic_retention=True,
             local_runners=True,
-            max_concurrent_jobs=limits.max_concurrent_jobs,
-            max_admitted_jobs=limits.max_admitted_jobs,
-            max_job_output_bytes=limits.max_job_output_bytes,
-            max_job_output_chunks=limits.max_job_output_chunks,
-            max_buffered_output_bytes=limits.max_buffered_output_bytes,
-            max_buffered_output_chunks=limits.max_buffered_output_chunks,
-            terminal_ttl_seconds=limits.terminal_ttl_seconds,
-            max_retained_terminal_jobs=limits.max_retained_terminal_jobs,
-            output_reconnect_window_seconds=limits.output_reconnect_window_seconds,
         )
 
     def stats(self) -> dict[str, int]:
