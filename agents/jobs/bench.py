@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 import uuid
 from typing import Any
@@ -60,6 +61,10 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 
         runtime: Any = InMemoryJobRuntime()
     else:
+        if args.redis_url:
+            # The Celery app takes its broker from REDIS_URL when first imported: point it
+            # at the same Redis as the runtime, or tasks would wait on another broker.
+            os.environ["REDIS_URL"] = args.redis_url
         from agents.jobs.celery_runtime import CeleryJobRuntime
 
         runtime = CeleryJobRuntime(
