@@ -119,7 +119,7 @@ class Command(BaseCommand):
             f"  | python3 -c \"import sys, json; print(json.load(sys.stdin)['id'])\")\n"
             f'curl -s -H "Authorization: Token $TOKEN" -H "Content-Type: application/json" \\\n'
             f'  -d "{{\\"session\\": \\"$SESSION\\", \\"input\\": \\"please calculate (2+3)*4\\"}}" '
-            f"{base}/api/v1/runs/\n"
+            f"{base}/api/v1/runs/; echo\n"
             f'sleep 1; curl -s -H "Authorization: Token $TOKEN" '
             f'"{base}/api/v1/sessions/$SESSION/events/"\n'
         )
