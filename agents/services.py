@@ -51,12 +51,13 @@ def session_create(
     )
 
 
-def queue_full_error(limit: int) -> RateLimitedError:
+def queue_full_error(limit: int, *, per_user: bool = False) -> RateLimitedError:
+    whose = "you have" if per_user else "the host has"
     return RateLimitedError(
         "scheduler.queue_full",
-        f"the host has {limit} queued runs, its limit; try again shortly",
+        f"{whose} {limit} queued runs, the limit; try again shortly",
         resumable=True,
-        details={"max_pending": limit, "retry_after": 2},
+        details={"max_pending_per_user" if per_user else "max_pending": limit, "retry_after": 2},
     )
 
 
@@ -85,13 +86,18 @@ def run_submit(
             raise NotFoundError("package.not_found", "the session's package version is gone")
         package_validate(owner=owner, package=package, strict=True)
     limit = settings.SAGE["SAGE_SERVER_MAX_PENDING_RUNS"]
+    per_user = settings.SAGE["SAGE_SERVER_MAX_PENDING_RUNS_PER_USER"]
     with named_lock("sage.run_admission"):
         if idempotency_key:
             existing = Run.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
             if existing is not None:
                 return existing, False
-        if Run.objects.filter(status=RunStatus.QUEUED, parent__isnull=True).count() >= limit:
+        queued = Run.objects.filter(status=RunStatus.QUEUED, parent__isnull=True)
+        if queued.count() >= limit:
             raise queue_full_error(limit)
+        # One user flooding the queue must not lock everyone else out of admission.
+        if queued.filter(owner=owner).count() >= per_user:
+            raise queue_full_error(per_user, per_user=True)
         run = Run.objects.create(
             session=session,
             owner=owner,

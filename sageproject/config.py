@@ -55,6 +55,12 @@ LIMITS: tuple[Limit, ...] = (
         meaning="queued runs, all users",
     ),
     Limit(
+        name="SAGE_SERVER_MAX_PENDING_RUNS_PER_USER",
+        default=256,
+        minimum=1,
+        meaning="queued runs of one user, so one user cannot fill the host's queue",
+    ),
+    Limit(
         name="SAGE_SERVER_MAX_MANAGED_APPLICATIONS",
         default=32,
         minimum=1,

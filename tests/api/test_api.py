@@ -307,3 +307,20 @@ def test_it_hides_another_users_export_and_stream(bob_api, alice_session):
     for url in (f"/api/v1/sessions/{alice_session.pk}/export/",
                 f"/api/v1/sessions/{alice_session.pk}/stream/"):
         assert bob_api.get(url).status_code == 404
+
+
+def test_it_keeps_one_user_from_filling_the_queue_for_everyone(
+    alice, bob, alice_api, bob_api, make_session, settings
+):
+    settings.SAGE = {**settings.SAGE, "SAGE_SERVER_MAX_PENDING_RUNS": 10,
+                     "SAGE_SERVER_MAX_PENDING_RUNS_PER_USER": 3}
+    alice_session, bob_session = make_session(alice), make_session(bob)
+    for _ in range(3):
+        assert alice_api.post("/api/v1/runs/", {"session": str(alice_session.pk), "input": "x"},
+                              format="json").status_code == 202
+    refused = alice_api.post("/api/v1/runs/", {"session": str(alice_session.pk), "input": "x"},
+                             format="json")
+    assert refused.status_code == 429
+    assert refused.json()["error"]["details"]["max_pending_per_user"] == 3
+    assert bob_api.post("/api/v1/runs/", {"session": str(bob_session.pk), "input": "x"},
+                        format="json").status_code == 202
