@@ -201,7 +201,9 @@ def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
             },
         }
     if scheme in {"postgres", "postgresql", "pgsql"}:
-        options: dict[str, Any] = {}
+        # A backend idle inside a transaction (its process frozen or wedged) would keep
+        # its row locks, and with them every other worker's claims, until it died.
+        options: dict[str, Any] = {"options": "-c idle_in_transaction_session_timeout=15000"}
         pool = query.pop("pool", "1").lower() in _TRUE
         if pool:
             options["pool"] = {"min_size": 1, "max_size": int(query.pop("pool_max", "20"))}

@@ -434,6 +434,16 @@ class DatabaseScheduler:
         """One claim attempt: (row, token, reaped run ids, next due time when none)."""
         self._ensure_fence_row()
         db = self.using
+        # Idle polling must not take the claim lock: a worker frozen (SIGSTOP, a long GC,
+        # a swapped-out VM) inside that transaction would stall every other worker's claims.
+        available = Q(status=RunStatus.QUEUED, available_at__lte=now, cancel_requested=False)
+        if self.queue is not None:
+            available &= Q(queue=self.queue)
+        dead_lease = Q(status=RunStatus.RUNNING) & (
+            Q(lease_expires_at__lte=now) | Q(lease_expires_at__isnull=True)
+        )
+        if not Run.objects.using(db).filter(available | dead_lease).exists():
+            return None, 0, [], self._next_due_sync(now)
         with transaction.atomic(using=db):
             fence = FenceSequence.objects.using(db).select_for_update().get(pk=1)
             reaped = self._reap_sync(now, pinned)

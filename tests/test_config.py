@@ -62,6 +62,7 @@ def test_it_parses_server_database_urls():
         "5433",
     )
     assert pg["OPTIONS"]["pool"]["max_size"] == 20
+    assert "idle_in_transaction_session_timeout" in pg["OPTIONS"]["options"]
     my = config.parse_database_url("mysql://root@127.0.0.1:3306/test", base_dir="/x")
     assert my["OPTIONS"]["charset"] == "utf8mb4"
     lite = config.parse_database_url("sqlite:///db.sqlite3", base_dir="/base")

@@ -159,7 +159,8 @@ def test_it_rejects_every_write_of_a_worker_resumed_after_losing_its_lease(
     b = workers["b"] = WorkerProcess("b", tmp_path)
     wait_for(
         lambda: Run.objects.get(pk=slow_run.pk).status == RunStatus.COMPLETED,
-        timeout=30,
+        # Generous: if A froze inside a transaction, PostgreSQL ends it after 15 s first.
+        timeout=60,
         message="worker B to take the run over and complete it",
     )
     events_before_resume = _event_types(slow_run)
