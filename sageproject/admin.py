@@ -6,6 +6,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.contrib import admin
+from django.contrib.auth import get_user_model
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import path
@@ -92,6 +93,15 @@ class SageAdminSite(admin.AdminSite):
                 "charts": _charts(snapshot.capacity),
                 "resident": _resident(snapshot.capacity),
             })
+        # Snapshots carry owner ids; show operators the usernames.
+        owner_ids = {app.get("owner") for w in workers for app in w["resident"]}
+        names = dict(
+            get_user_model().objects.filter(pk__in=[i for i in owner_ids if i is not None])
+            .values_list("pk", "username")
+        )
+        for worker in workers:
+            for app in worker["resident"]:
+                app["owner_name"] = names.get(app.get("owner"), app.get("owner"))
         counts = {status: Run.objects.filter(status=status).count()
                   for status in (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.SUSPENDED)}
         context = {**self.each_context(request), "title": "Capacity", "workers": workers,

@@ -84,3 +84,17 @@ def test_it_keeps_non_staff_out_of_the_admin(client, alice):
     client.force_login(alice)
     response = client.get(reverse("admin:capacity"))
     assert response.status_code == 302
+
+
+def test_it_names_the_owners_of_resident_applications(staff_client, alice):
+    now = timezone.now()
+    WorkerSnapshot.objects.create(
+        worker_id="w2", host="h", pid=2, started_at=now, heartbeat_at=now,
+        capacity={"executor": {"management": {"resident": [
+            {"owner": alice.pk, "package": "demo", "ref": "ab" * 32, "agent": "assistant",
+             "state": "ready", "idle_seconds": 3.0, "usage": 0, "unfinished_runs": 0,
+             "safe_to_release": True},
+        ]}}},
+    )
+    content = staff_client.get(reverse("admin:capacity")).content.decode()
+    assert "<td>alice</td>" in content
