@@ -59,6 +59,7 @@ from scheduling.models import (
     Event,
     Run,
     RunStatus,
+    run_cancelled_error,
 )
 from scheduling.store import Fence, append_events, check_fence
 
@@ -132,16 +133,6 @@ def record_view(record: ModelRecord) -> ModelRecordView:
         options=dict(record.options or {}),
         stamp=record.updated_at,
     )
-
-
-def error_dict(error: SageError) -> dict[str, Any]:
-    return {
-        "code": error.code,
-        "category": str(error.category),
-        "message": error.message,
-        "retryable": error.retryable,
-        "resumable": error.resumable,
-    }
 
 
 # Errors of this host's own bounded resources: the run is suspended (nothing was sent to
@@ -569,9 +560,7 @@ class RunExecutor:
                     "run.not_found", f"the run could not be loaded: {type(exc).__name__}"
                 )
             )
-            return await self._finish(
-                run_id, fence, RunStatus.FAILED, None, error_dict(error), None
-            )
+            return await self._finish(run_id, fence, RunStatus.FAILED, None, error.record(), None)
         async with contextlib.AsyncExitStack() as stack:
             try:
                 app = await stack.enter_async_context(
@@ -583,7 +572,7 @@ class RunExecutor:
                 if stop.reason == "cancelled":
                     await self._stop_jobs(run_id)
                     return await self._finish(
-                        run_id, fence, RunStatus.CANCELLED, None, _cancel_error(), prepared
+                        run_id, fence, RunStatus.CANCELLED, None, run_cancelled_error(), prepared
                     )
                 raise
             except SageError as exc:
@@ -592,7 +581,7 @@ class RunExecutor:
                 if exc.code in SUSPENDING_CODES:
                     return await self._suspend(run_id, fence, exc, prepared)
                 return await self._finish(
-                    run_id, fence, RunStatus.FAILED, None, error_dict(exc), prepared
+                    run_id, fence, RunStatus.FAILED, None, exc.record(), prepared
                 )
             return await self._execute_with(app, prepared, fence, stop)
         raise AssertionError("unreachable")  # the block above always returns or raises
@@ -647,7 +636,7 @@ class RunExecutor:
             if stop.reason == "cancelled":
                 await self._stop_jobs(run_id)
                 return await self._finish(
-                    run_id, fence, RunStatus.CANCELLED, None, _cancel_error(), prepared
+                    run_id, fence, RunStatus.CANCELLED, None, run_cancelled_error(), prepared
                 )
             raise
         except SageError as exc:
@@ -656,18 +645,14 @@ class RunExecutor:
                 return "lease_lost"
             if exc.code in SUSPENDING_CODES:
                 return await self._suspend(run_id, fence, exc, prepared)
-            return await self._finish(
-                run_id, fence, RunStatus.FAILED, None, error_dict(exc), prepared
-            )
+            return await self._finish(run_id, fence, RunStatus.FAILED, None, exc.record(), prepared)
         except Exception as exc:
             logger.exception("run %s failed with an unexpected error", run_id)
-            error = {
-                "code": "execution.internal",
-                "category": str(ErrorCategory.INTERNAL),
-                "message": f"internal error: {type(exc).__name__}",
-                "retryable": False,
-                "resumable": False,
-            }
+            error = SageError(
+                "execution.internal",
+                f"internal error: {type(exc).__name__}",
+                category=ErrorCategory.INTERNAL,
+            ).record()
             return await self._finish(run_id, fence, RunStatus.FAILED, None, error, prepared)
         return await self._finish(
             run_id, fence, RunStatus.COMPLETED, result, None, prepared, flow_outputs=flow_outputs
@@ -770,10 +755,7 @@ class RunExecutor:
         interaction = {
             "id": uuid.uuid4().hex,
             "type": "retry",
-            "code": error.code,
-            "message": error.message,
-            "retryable": error.retryable,
-            "resumable": error.resumable,
+            **error.record(),
             "allowed_decisions": ["retry", "cancel"],
         }
         try:
@@ -795,16 +777,6 @@ class RunExecutor:
             raise
         logger.info("run %s suspended: %s", run_id, error.code)
         return RunStatus.SUSPENDED
-
-
-def _cancel_error() -> dict[str, Any]:
-    return {
-        "code": "run.cancelled",
-        "category": str(ErrorCategory.CANCELLED),
-        "message": "the run was cancelled",
-        "retryable": False,
-        "resumable": False,
-    }
 
 
 TERMINAL_EVENTS = {

@@ -24,7 +24,14 @@ from sageproject.errors import (
     SageError,
     ValidationError,
 )
-from scheduling.models import Run, RunQueue, RunStatus, Session, SessionKind
+from scheduling.models import (
+    Run,
+    RunQueue,
+    RunStatus,
+    Session,
+    SessionKind,
+    run_cancelled_error,
+)
 
 
 def session_create(
@@ -109,16 +116,6 @@ def run_submit(
     return run, True
 
 
-def _cancel_error() -> dict[str, Any]:
-    return {
-        "code": "run.cancelled",
-        "category": "CANCELLED",
-        "message": "the run was cancelled",
-        "retryable": False,
-        "resumable": False,
-    }
-
-
 def run_cancel(*, run: Run) -> Run:
     """Cancel a run: a queued or suspended one at once, a running one through its worker.
 
@@ -132,7 +129,7 @@ def run_cancel(*, run: Run) -> Run:
             status=RunStatus.CANCELLED,
             cancel_requested=True,
             finished_at=now,
-            error=_cancel_error(),
+            error=run_cancelled_error(),
             interaction=None,
         )
         if stopped:

@@ -83,18 +83,20 @@ class SageError(Exception):
     def http_status(self) -> int:
         return HTTP_STATUS[self.category]
 
+    def record(self) -> dict[str, Any]:
+        """The shape stored on a run, job or archive: the envelope's fields without
+        ``details`` (which may carry figures meant for the caller only)."""
+        return {
+            "code": self.code,
+            "category": str(self.category),
+            "message": self.message,
+            "retryable": self.retryable,
+            "resumable": self.resumable,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """The envelope of DESIGN §5: ``{"error": {...}}``."""
-        return {
-            "error": {
-                "code": self.code,
-                "category": str(self.category),
-                "message": self.message,
-                "retryable": self.retryable,
-                "resumable": self.resumable,
-                "details": self.details,
-            }
-        }
+        return {"error": {**self.record(), "details": self.details}}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.code!r}, {self.message!r})"

@@ -45,7 +45,7 @@ from django.db.models.functions import Coalesce, RowNumber
 from django.utils import timezone
 
 from sageproject.db import db_call
-from sageproject.errors import NotFoundError
+from sageproject.errors import ErrorCategory, NotFoundError, SageError
 from scheduling.models import TERMINAL_STATUSES, FenceSequence, Run, RunStatus
 from scheduling.scheduler import (
     ClaimCandidate,
@@ -76,13 +76,11 @@ T = TypeVar("T")
 
 POLL_START, POLL_MAX = 0.05, 1.0
 
-WORKER_RESTARTED = {
-    "code": "execution.worker_restarted",
-    "category": "RESOURCE_LOST",
-    "message": "the run's worker stopped too many times; the run was failed",
-    "retryable": False,
-    "resumable": False,
-}
+WORKER_RESTARTED = SageError(
+    "execution.worker_restarted",
+    "the run's worker stopped too many times; the run was failed",
+    category=ErrorCategory.RESOURCE_LOST,
+).record()
 
 _RELEASE_STATUS = {
     LeaseReleaseReason.COMPLETED: RunStatus.COMPLETED,

@@ -35,7 +35,7 @@ from django.utils.module_loading import import_string
 from sageproject.db import db_call
 from sageproject.errors import ErrorCategory, SageError
 from scheduling.db_scheduler import DatabaseScheduler, lease_fence
-from scheduling.models import Run
+from scheduling.models import Run, run_cancelled_error
 from scheduling.scheduler import (
     LeaseReleaseReason,
     SchedulerClaimPolicy,
@@ -57,31 +57,9 @@ _RELEASE_FOR_STATUS = {
 }
 
 
-def error_payload(error: SageError) -> dict[str, Any]:
-    """The stored ``Run.error`` shape of ``error``."""
-    return {
-        "code": error.code,
-        "category": str(error.category),
-        "message": error.message,
-        "retryable": error.retryable,
-        "resumable": error.resumable,
-    }
-
-
-CANCELLED_ERROR = {
-    "code": "run.cancelled",
-    "category": str(ErrorCategory.CANCELLED),
-    "message": "the run was cancelled",
-    "retryable": False,
-    "resumable": False,
-}
-INTERNAL_ERROR = {
-    "code": "execution.internal",
-    "category": str(ErrorCategory.INTERNAL),
-    "message": "the executor failed unexpectedly",
-    "retryable": False,
-    "resumable": False,
-}
+INTERNAL_ERROR = SageError(
+    "execution.internal", "the executor failed unexpectedly", category=ErrorCategory.INTERNAL
+).record()
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -322,12 +300,14 @@ class Dispatcher:
                     lease,
                     LeaseReleaseReason.WORKER_SHUTDOWN,
                     requeue=True,
-                    error=error_payload(worker_shutdown_error()),
+                    error=worker_shutdown_error().record(),
                 )
                 logger.info("run %s requeued on shutdown", run_id)
             elif reason == "cancelled":
                 # Cancelled before the executor could record it (e.g. while preparing).
-                if await self._release(lease, LeaseReleaseReason.CANCELLED, error=CANCELLED_ERROR):
+                if await self._release(
+                    lease, LeaseReleaseReason.CANCELLED, error=run_cancelled_error()
+                ):
                     await self._archive(run_id)
             else:
                 logger.info("run %s stopped: %s", run_id, reason or "lease lost")

@@ -8,6 +8,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from sageproject.errors import ErrorCategory, SageError
+
 
 class SessionKind(models.TextChoices):
     # The user's main conversation; its live kernel is never closed for idleness.
@@ -94,6 +96,13 @@ class RunStatus(models.TextChoices):
     COMPLETED = "completed", "Completed"
     FAILED = "failed", "Failed"
     CANCELLED = "cancelled", "Cancelled"
+
+
+def run_cancelled_error() -> dict[str, Any]:
+    """``Run.error`` of a cancelled run (the same wherever the cancellation lands)."""
+    return SageError(
+        "run.cancelled", "the run was cancelled", category=ErrorCategory.CANCELLED
+    ).record()
 
 
 TERMINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})

@@ -401,30 +401,24 @@ def invalid_argument(message: str) -> SageError:
 def runner_failed_error(exc: BaseException) -> dict[str, Any]:
     """The ``error`` of a job whose runner raised; resumable: the run itself is safe."""
     # Truncated: a runner message is not a place for megabytes of payload echo.
-    return {
-        "code": "job.runner_failed",
-        "category": str(ErrorCategory.UPSTREAM),
-        "message": f"job runner failed: {type(exc).__name__}: {str(exc)[:500]}",
-        "retryable": False,
-        "resumable": True,
-    }
+    return SageError(
+        "job.runner_failed",
+        f"job runner failed: {type(exc).__name__}: {str(exc)[:500]}",
+        category=ErrorCategory.UPSTREAM,
+        resumable=True,
+    ).record()
 
 
 def killed_error(reason: str) -> dict[str, Any]:
-    return {
-        "code": "job.killed",
-        "category": str(ErrorCategory.CANCELLED),
-        "message": f"job killed: {reason}",
-        "retryable": False,
-        "resumable": True,
-    }
+    return SageError(
+        "job.killed", f"job killed: {reason}", category=ErrorCategory.CANCELLED, resumable=True
+    ).record()
 
 
 def kind_unsupported_error(kind: str) -> dict[str, Any]:
-    return {
-        "code": "job.kind_unsupported",
-        "category": str(ErrorCategory.VALIDATION),
-        "message": f"no runner for job kind {kind!r} on this worker",
-        "retryable": False,
-        "resumable": True,
-    }
+    return SageError(
+        "job.kind_unsupported",
+        f"no runner for job kind {kind!r} on this worker",
+        category=ErrorCategory.VALIDATION,
+        resumable=True,
+    ).record()

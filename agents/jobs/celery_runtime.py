@@ -209,20 +209,14 @@ class CeleryJobRuntime:
             )
         except Exception as exc:
             logger.error("job %s: broker refused the task: %r", job_id, exc)
-            await self.store.finish(
-                job_id,
-                JobState.FAILED,
-                error={
-                    "code": "job.dispatch_failed",
-                    "category": "UNAVAILABLE",
-                    "message": "the job broker is unavailable",
-                    "retryable": True,
-                    "resumable": True,
-                },
+            error = UnavailableError(
+                "job.dispatch_failed",
+                "the job broker is unavailable",
+                retryable=True,
+                resumable=True,
             )
-            raise UnavailableError(
-                "job.dispatch_failed", "the job broker is unavailable", retryable=True
-            ) from exc
+            await self.store.finish(job_id, JobState.FAILED, error=error.record())
+            raise error from exc
         self._owned[job_id] = None
         if len(self._owned) > 2 * self.limits.max_admitted_jobs:
             await self._prune_owned()
