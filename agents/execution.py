@@ -61,7 +61,7 @@ from scheduling.models import (
     RunStatus,
     run_cancelled_error,
 )
-from scheduling.store import Fence, append_events, check_fence
+from scheduling.store import Fence, append_events, check_fence, get_default_coordinator
 
 logger = logging.getLogger("sage.execution")
 
@@ -104,8 +104,9 @@ class PreparedRun:
     package_name: str
     agent_id: str
     user_input: str
-    history: list[dict[str, Any]]
-    first_attempt: bool
+    # Filled by ``RunExecutor._prepare`` from the store coordinator.
+    history: list[dict[str, Any]] = field(default_factory=list)
+    first_attempt: bool = True
     session_kind: str = "master"
     # The reply that resumed a suspended run, emitted as ``interaction.resolved``.
     resolution: dict[str, Any] | None = None
@@ -485,13 +486,23 @@ class RunExecutor:
 
     # --- preparation --------------------------------------------------------------
 
+    async def _prepare(self, run_id: Any) -> PreparedRun:
+        """The run, its session and its conversation. The history comes from the store
+        coordinator, which the run's commits use anyway: it is read once, not twice."""
+        prepared = await db_call(self._prepare_sync, run_id)
+        events = await get_default_coordinator().history(prepared.session_id, fresh=True)
+        run_key = str(run_id)
+        return dataclasses.replace(
+            prepared,
+            history=history_from_events((event.type, event.payload) for event in events),
+            first_attempt=not any(
+                event.type == "run.started" and str(event.run_id) == run_key for event in events
+            ),
+        )
+
     def _prepare_sync(self, run_id: Any) -> PreparedRun:
         run = Run.objects.select_related("session").get(pk=run_id)
         session = run.session
-        rows = (
-            Event.objects.filter(session_id=session.pk).order_by("seq").values_list("type", "data")
-        )
-        history = history_from_events((etype, orjson.loads(data)) for etype, data in rows)
         user_input = run.input if isinstance(run.input, str) else str(run.input.get("text", ""))
         return PreparedRun(
             run_id=run.pk,
@@ -501,8 +512,6 @@ class RunExecutor:
             package_name=session.package_name,
             agent_id=session.agent_id,
             user_input=user_input,
-            history=history,
-            first_attempt=not Event.objects.filter(run_id=run.pk, type="run.started").exists(),
             session_kind=session.kind,
             resolution=(run.interaction or {}).get("resolution"),
         )
@@ -551,7 +560,7 @@ class RunExecutor:
         its lease.
         """
         try:
-            prepared = await db_call(self._prepare_sync, run_id)
+            prepared = await self._prepare(run_id)
         except Exception as exc:
             error = (
                 exc

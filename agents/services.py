@@ -10,7 +10,6 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from agents.models import AgentPackage, ManagedAgentRecord
@@ -230,7 +229,3 @@ def scoped(queryset, user, field: str = "owner"):
     if user.is_staff:
         return queryset
     return queryset.filter(**{field: user})
-
-
-def shared_or_own(queryset, user):
-    return queryset.filter(Q(owner=user) | Q(owner__isnull=True))

@@ -154,14 +154,6 @@ def event_json(
     )
 
 
-def session_event_json(event: SessionEvent) -> bytes:
-    """:func:`event_json` for an in-memory event (serializes its payload at most once)."""
-    return event_json(
-        seq=event.seq, type=event.type, run_id=event.run_id, created_at=event.created_at,
-        data=ensure_encoded(event),
-    )
-
-
 # ---------------------------------------------------------------------------------------
 # Export
 

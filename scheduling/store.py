@@ -160,10 +160,16 @@ def check_fence(fence: Fence, *, using: str = DEFAULT_DB_ALIAS) -> None:
     Raises ``scheduler.fence_rejected`` when no row matches: the run's lease has moved on
     (another owner, a newer token, or the run is no longer running).
     """
-    touched = Run.objects.using(using).filter(
-        pk=fence.run_id, lease_owner=fence.lease_owner, lease_token=fence.lease_token,
-        status=RunStatus.RUNNING,
-    ).update(updated_at=timezone.now())
+    touched = (
+        Run.objects.using(using)
+        .filter(
+            pk=fence.run_id,
+            lease_owner=fence.lease_owner,
+            lease_token=fence.lease_token,
+            status=RunStatus.RUNNING,
+        )
+        .update(updated_at=timezone.now())
+    )
     if touched != 1:
         raise fence_rejected(fence.run_id)
 
@@ -237,8 +243,15 @@ class _Commit(_Request):
     __slots__ = ("delete_runs", "expected", "fence", "replace", "rows", "session_id", "total")
 
     def __init__(
-        self, *, session_id: str, fence: Fence | None, replace: bool,
-        rows: list[SessionEvent], delete_runs: tuple[Any, ...], expected: int, total: int,
+        self,
+        *,
+        session_id: str,
+        fence: Fence | None,
+        replace: bool,
+        rows: list[SessionEvent],
+        delete_runs: tuple[Any, ...],
+        expected: int,
+        total: int,
     ) -> None:
         super().__init__()
         self.session_id = session_id
@@ -295,7 +308,12 @@ class _Writer(threading.Thread):
     """One serial writer: a thread that owns one database connection."""
 
     def __init__(
-        self, *, index: int, using: str, group_commit: bool, max_batch: int,
+        self,
+        *,
+        index: int,
+        using: str,
+        group_commit: bool,
+        max_batch: int,
         idle_close_seconds: float,
     ) -> None:
         super().__init__(name=f"sage-store-writer-{index}", daemon=True)
@@ -383,8 +401,10 @@ class _Writer(threading.Thread):
             # A statement of the batched form failed (a row nobody expected, a deadlock):
             # redo the batch commit by commit, each in its own savepoint, so the culprit
             # is rejected alone and the others still land.
-            logger.warning("store: batched group commit failed (%s); retrying with savepoints",
-                           failed.__cause__)
+            logger.warning(
+                "store: batched group commit failed (%s); retrying with savepoints",
+                failed.__cause__,
+            )
             outcomes = self._in_transaction(commits, self._apply_savepointed)
         self._settle_all(commits, outcomes)
 
@@ -454,7 +474,9 @@ class _Writer(threading.Thread):
             }
             for i, fence in fenced:
                 if leases.get(str(_uuid_or_none(fence.run_id))) != (
-                    fence.lease_owner, fence.lease_token, RunStatus.RUNNING
+                    fence.lease_owner,
+                    fence.lease_token,
+                    RunStatus.RUNNING,
                 ):
                     outcomes[i] = fence_rejected(fence.run_id)
         live = [i for i, outcome in enumerate(outcomes) if outcome is None]
@@ -479,8 +501,14 @@ class _Writer(threading.Thread):
             if replaced:
                 Event.objects.using(using).filter(session_id__in=replaced).delete()
             rows = [
-                Event(session_id=c.session_id, seq=e.seq, run_id=e.run_id, type=e.type,
-                      data=e.data, created_at=e.created_at)
+                Event(
+                    session_id=c.session_id,
+                    seq=e.seq,
+                    run_id=e.run_id,
+                    type=e.type,
+                    data=e.data,
+                    created_at=e.created_at,
+                )
                 for c in (commits[i] for i in live)
                 for e in c.rows
             ]
@@ -489,8 +517,9 @@ class _Writer(threading.Thread):
             for i in live:
                 for run_id in commits[i].delete_runs:
                     Run.objects.using(using).filter(pk=run_id).delete()
-            touched = _set_prefixes(using, [(commits[i].session_id, commits[i].total)
-                                            for i in live])
+            touched = _set_prefixes(
+                using, [(commits[i].session_id, commits[i].total) for i in live]
+            )
             if touched != len(live):
                 raise session_conflict("(batch)")
         except Exception as exc:
@@ -508,8 +537,12 @@ class _Writer(threading.Thread):
             Event.objects.using(using).bulk_create(
                 [
                     Event(
-                        session_id=commit.session_id, seq=e.seq, run_id=e.run_id, type=e.type,
-                        data=e.data, created_at=e.created_at,
+                        session_id=commit.session_id,
+                        seq=e.seq,
+                        run_id=e.run_id,
+                        type=e.type,
+                        data=e.data,
+                        created_at=e.created_at,
                     )
                     for e in commit.rows
                 ],
@@ -520,9 +553,11 @@ class _Writer(threading.Thread):
             Run.objects.using(using).filter(pk=run_id).delete()
         # Conditional on the prefix this process believes in: a writer elsewhere that
         # moved the session on makes this commit fail instead of interleaving seqs.
-        touched = Session.objects.using(using).filter(
-            pk=commit.session_id, persisted_events=commit.expected
-        ).update(persisted_events=commit.total, updated_at=timezone.now())
+        touched = (
+            Session.objects.using(using)
+            .filter(pk=commit.session_id, persisted_events=commit.expected)
+            .update(persisted_events=commit.total, updated_at=timezone.now())
+        )
         if touched != 1:
             raise session_conflict(commit.session_id)
 
@@ -608,7 +643,10 @@ class SessionStoreCoordinator:
         self._closed = False
         self._writers = [
             _Writer(
-                index=i, using=using, group_commit=group_commit, max_batch=max_batch,
+                index=i,
+                using=using,
+                group_commit=group_commit,
+                max_batch=max_batch,
                 idle_close_seconds=idle_close_seconds,
             )
             for i in range(writers)
@@ -697,9 +735,11 @@ class SessionStoreCoordinator:
 
     def _load_sync(self, key: str) -> _SessionState:
         try:
-            persisted = Session.objects.using(self.using).values_list(
-                "persisted_events", flat=True
-            ).get(pk=key)
+            persisted = (
+                Session.objects.using(self.using)
+                .values_list("persisted_events", flat=True)
+                .get(pk=key)
+            )
         except Session.DoesNotExist:
             raise NotFoundError("store.session_not_found", f"no session {key}") from None
         history = [
@@ -756,12 +796,20 @@ class SessionStoreCoordinator:
         if not rows and not replace and not delete_runs:
             # Nothing new: not one statement.
             return CommitResult(
-                session_id=state.key, seqs=seqs, persisted_events=state.persisted, written=0,
+                session_id=state.key,
+                seqs=seqs,
+                persisted_events=state.persisted,
+                written=0,
                 replaced=False,
             )
         request = _Commit(
-            session_id=state.key, fence=fence, replace=replace, rows=rows,
-            delete_runs=delete_runs, expected=state.persisted, total=total,
+            session_id=state.key,
+            fence=fence,
+            replace=replace,
+            rows=rows,
+            delete_runs=delete_runs,
+            expected=state.persisted,
+            total=total,
         )
         try:
             self._writer_for(state.key).submit(request)
@@ -781,7 +829,10 @@ class SessionStoreCoordinator:
         state.persisted = total
         state.clean = total
         result = CommitResult(
-            session_id=state.key, seqs=seqs, persisted_events=total, written=len(rows),
+            session_id=state.key,
+            seqs=seqs,
+            persisted_events=total,
+            written=len(rows),
             replaced=replace,
         )
         if cancelled:
@@ -789,7 +840,11 @@ class SessionStoreCoordinator:
         return result
 
     async def _commit_locked(
-        self, key: str, *, run_id: Any, drafts: Sequence[EventDraft | tuple[str, Any]],
+        self,
+        key: str,
+        *,
+        run_id: Any,
+        drafts: Sequence[EventDraft | tuple[str, Any]],
         fence: Fence | None,
     ) -> CommitResult:
         state = await self._open_locked(key)
@@ -800,7 +855,10 @@ class SessionStoreCoordinator:
             draft = _as_draft(item)
             history.append(
                 SessionEvent(
-                    seq=before + offset, type=draft.type, run_id=run_id, created_at=now,
+                    seq=before + offset,
+                    type=draft.type,
+                    run_id=run_id,
+                    created_at=now,
                     payload=draft.payload,
                 )
             )
@@ -809,7 +867,9 @@ class SessionStoreCoordinator:
             del history[before:]
 
         return await self._persist_locked(
-            state, fence=fence, restore=restore,
+            state,
+            fence=fence,
+            restore=restore,
             seqs=tuple(range(before + 1, len(history) + 1)),
         )
 
@@ -899,8 +959,12 @@ class SessionStoreCoordinator:
                     continue
                 # Copies: the old objects must stay untouched for a restore.
                 copy = SessionEvent(
-                    seq=len(kept) + 1, type=event.type, run_id=event.run_id,
-                    created_at=event.created_at, payload=event._payload, data=event.data,
+                    seq=len(kept) + 1,
+                    type=event.type,
+                    run_id=event.run_id,
+                    created_at=event.created_at,
+                    payload=event._payload,
+                    data=event.data,
                 )
                 kept.append(copy)
             state.history = kept
@@ -915,10 +979,28 @@ class SessionStoreCoordinator:
 
     # -- reading --------------------------------------------------------------------
 
-    async def history(self, session_id: Any) -> list[SessionEvent]:
-        """The session's current history (a new list of the shared event objects)."""
+    async def history(self, session_id: Any, *, fresh: bool = False) -> list[SessionEvent]:
+        """The session's current history (a new list of the shared event objects).
+
+        With ``fresh``, a cached history is first checked against the database's durable
+        prefix (one primary-key read) and reloaded when another process has moved the
+        session on, so a run never starts from a stale conversation.
+        """
         async with self.locked(session_id) as (key,):
+            state = self._states.get(key)
+            if fresh and state is not None:
+                durable = await self.call_in_writer(key, lambda: self._durable_prefix_sync(key))
+                if durable != state.persisted:
+                    del self._states[key]
             return list((await self._open_locked(key)).history)
+
+    def _durable_prefix_sync(self, key: str) -> int | None:
+        return (
+            Session.objects.using(self.using)
+            .filter(pk=key)
+            .values_list("persisted_events", flat=True)
+            .first()
+        )
 
     async def persisted_events(self, session_id: Any) -> int:
         """The durable prefix length this coordinator knows for the session."""
@@ -994,7 +1076,10 @@ class LeaseFencedSessionStore:
         return fence
 
     async def commit(
-        self, session_id: Any, *, run_id: Any,
+        self,
+        session_id: Any,
+        *,
+        run_id: Any,
         drafts: Sequence[EventDraft | tuple[str, Any]] = (),
     ) -> CommitResult:
         """:meth:`SessionStoreCoordinator.commit` fenced by ``run_id``'s lease."""
@@ -1007,8 +1092,9 @@ class LeaseFencedSessionStore:
         for spec in specs:
             fence = await self.fence_for(spec.run_id)
             fenced.append(
-                CommitSpec(session_id=spec.session_id, run_id=spec.run_id, drafts=spec.drafts,
-                           fence=fence)
+                CommitSpec(
+                    session_id=spec.session_id, run_id=spec.run_id, drafts=spec.drafts, fence=fence
+                )
             )
         return await self._coordinator.commit_many(fenced)
 

@@ -210,3 +210,24 @@ def test_it_publishes_model_clients_and_calls_in_the_worker_snapshot(alice, staf
     assert capacity["executor"]["model_calls"]["limit"] == 8
 
 
+
+
+def test_it_continues_a_session_with_its_earlier_turns(alice, start_worker, upstream):
+    record = ModelRecord(owner=alice, name="gpt", protocol=Protocol.OPENAI,
+                         base_url=upstream.openai_base_url, model="gpt-test")
+    record.api_key = "sk-alice"
+    record.save()
+    _package_on(alice, "gpt")
+    upstream.enqueue(Reply(text="Hello, Alice."), Reply(text="You are Alice."))
+    api = client_for(alice)
+    session = api.post("/api/v1/sessions/", {"package": "pkg", "agent": "assistant"},
+                       format="json").json()["id"]
+    start_worker()
+    for text in ("I am Alice.", "Who am I?"):
+        run = api.post("/api/v1/runs/", {"session": session, "input": text},
+                       format="json").json()["id"]
+        wait_for(lambda run=run: all_terminal([run]), message="the run to finish")
+    messages = upstream.requests[1].json["messages"]
+    turns = [(m["role"], m["content"]) for m in messages if m["role"] != "system"]
+    assert turns == [("user", "I am Alice."), ("assistant", "Hello, Alice."),
+                     ("user", "Who am I?")]

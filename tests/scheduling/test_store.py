@@ -522,3 +522,23 @@ async def test_it_appends_after_rows_written_by_another_process(alice):
 
     assert seqs == [4]
     assert await db_state(session.id) == (4, [1, 2, 3, 4])
+
+
+@pytest.mark.storage
+@pytest.mark.django_db(transaction=True)
+async def test_it_rereads_a_history_another_process_moved_on_when_asked_for_fresh(alice):
+    session, _ = await seed_session(alice, 3)
+    ours, theirs = SessionStoreCoordinator(writers=1), SessionStoreCoordinator(writers=1)
+    try:
+        assert len(await ours.history(session.id)) == 3  # cached now
+        await theirs.commit(session.id, drafts=[("message", {"from": "another worker"})])
+        assert len(await ours.history(session.id)) == 3  # the cache, unchecked
+        fresh = await ours.history(session.id, fresh=True)
+        assert [e.seq for e in fresh] == [1, 2, 3, 4]
+        assert fresh[-1].payload == {"from": "another worker"}
+        # And the next commit continues the sequence instead of colliding.
+        result = await ours.commit(session.id, drafts=[("message", {"from": "us"})])
+        assert result.seqs == (5,)
+    finally:
+        await ours.close()
+        await theirs.close()
