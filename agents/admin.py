@@ -306,5 +306,6 @@ class ReclamationRequestAdmin(admin.ModelAdmin):
             request, "admin/agents/reclamationrequest/release_idle.html", context
         )
 
+
 # The jobs package registers its own admin (JobRecord, with the cancel action).
 import agents.jobs.admin  # noqa: E402, F401

@@ -25,7 +25,7 @@ from agents import services
 from agents.models import ManagedAgentRecord
 from sageproject.api import StrictFieldsMixin
 from sageproject.errors import NotFoundError, SageError
-from scheduling.models import Event, Run, Session, SessionKind, WorkerSnapshot
+from scheduling.models import Event, Multitask, Run, Session, SessionKind, WorkerSnapshot
 from scheduling.serialization import event_json, export_session_lines
 
 EVENTS_DEFAULT_LIMIT = 100
@@ -80,6 +80,15 @@ class RunSubmitSerializer(StrictFieldsMixin, serializers.Serializer):
     session = serializers.UUIDField()
     input = serializers.CharField(max_length=100_000, allow_blank=False, trim_whitespace=False)
     priority = serializers.IntegerField(default=0, min_value=-100, max_value=100)
+    multitask = serializers.ChoiceField(
+        choices=Multitask.choices,
+        default=Multitask.ENQUEUE,
+        help_text=(
+            "When the session already has an unfinished run: enqueue (wait in order), "
+            "reject (409 session.busy), interrupt (stop it at its next step, then run) or "
+            "rollback (as interrupt, and remove the interrupted run's events)."
+        ),
+    )
 
 
 class RunReplySerializer(StrictFieldsMixin, serializers.Serializer):
@@ -107,6 +116,7 @@ class RunSerializer(serializers.ModelSerializer):
             "error",
             "interaction",
             "attempts",
+            "crashes",
             "cancel_requested",
             "parent",
             "created_at",
@@ -229,8 +239,6 @@ class SessionViewSet(
         return response
 
 
-
-
 def _events_after(session_id: Any, after: int, limit: int = 200) -> list[Event]:
     return list(Event.objects.filter(session_id=session_id, seq__gt=after).order_by("seq")[:limit])
 
@@ -317,6 +325,7 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             input=data.validated_data["input"],
             idempotency_key=key,
             priority=data.validated_data["priority"],
+            multitask=data.validated_data["multitask"],
         )
         code = status.HTTP_202_ACCEPTED if created else status.HTTP_200_OK
         return Response(RunSerializer(run).data, status=code)

@@ -90,8 +90,10 @@ def parse_arguments(args: Mapping[str, Any], limits: InterpreterLimits) -> tuple
     """
     unknown = sorted(set(args) - {"code", "timeout"})
     if unknown:
-        raise ToolError(f"unknown argument(s) {', '.join(map(repr, unknown))}; "
-                        "pass 'code' and optionally 'timeout'")
+        raise ToolError(
+            f"unknown argument(s) {', '.join(map(repr, unknown))}; "
+            "pass 'code' and optionally 'timeout'"
+        )
     code = args.get("code")
     if not isinstance(code, str) or not code.strip():
         raise ToolError("argument 'code' must be a non-empty string of Python source")
@@ -327,8 +329,9 @@ class CodeToolsRuntime:
             name: {
                 **pool.stats().as_dict(),
                 "spares": self._spares[name].held,
-                "history": [[round(t, 3), created, in_use] for t, created, in_use in
-                            pool.history()],
+                "history": [
+                    [round(t, 3), created, in_use] for t, created, in_use in pool.history()
+                ],
             }
             for name, pool in self.pools.items()
         }
@@ -388,7 +391,11 @@ class CodeToolsRuntime:
                 result = await session.client.run(code, timeout=timeout)
             except SageError as exc:  # the kernel vanished between the check and the call
                 result = InterpreterResult(
-                    stdout="", stderr="", error=exc.message, ok=False, duration_ms=0.0,
+                    stdout="",
+                    stderr="",
+                    error=exc.message,
+                    ok=False,
+                    duration_ms=0.0,
                     killed=True,
                 )
             session.turns += 1

@@ -14,6 +14,7 @@ from typing import Any
 from agents.tools import Tool, ToolContext, ToolError
 from pooling.providers.base import ModelRequest, StreamEnd, TextDelta, ToolCall, ToolSpec
 from sageproject.errors import SageError
+from scheduling.faults import crash_point
 
 EventBatch = list[tuple[str, dict[str, Any]]]
 Emit = Callable[[EventBatch], Awaitable[None]]
@@ -55,19 +56,59 @@ class TurnOutcome:
     usage: dict[str, int]
 
 
+# The result recorded for a tool call whose worker died before it answered.
+INTERRUPTED_TOOL_ERROR = "interrupted by a worker restart; the tool's effect is unknown"
+
+
+def unanswered_tool_calls(
+    events: Iterable[tuple[str, Mapping[str, Any]]],
+) -> list[dict[str, Any]]:
+    """``tool.call.started`` payloads (oldest first) that have no succeeded/failed event."""
+    pending: dict[str, dict[str, Any]] = {}
+    for etype, payload in events:
+        if etype == TOOL_STARTED:
+            pending[str(payload.get("id", ""))] = dict(payload)
+        elif etype in (TOOL_SUCCEEDED, TOOL_FAILED):
+            pending.pop(str(payload.get("id", "")), None)
+    return list(pending.values())
+
+
 def history_from_events(events: Iterable[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
-    """Normalized messages from durable events (oldest first)."""
+    """Normalized messages from durable events (oldest first).
+
+    Every assistant tool call is answered: a call whose worker died before its result
+    (no succeeded/failed event) gets a tool message saying so, placed before the next
+    non-tool message, so the history is always one a provider accepts.
+    """
     messages: list[dict[str, Any]] = []
+    pending: dict[str, str] = {}
+
+    def answer_pending() -> None:
+        for call_id, name in pending.items():
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "name": name,
+                    "content": f"error: {INTERRUPTED_TOOL_ERROR}",
+                }
+            )
+        pending.clear()
+
     for etype, payload in events:
         if etype == MESSAGE_COMPLETED:
+            answer_pending()
             message = {
                 "role": payload.get("role", "assistant"),
                 "content": payload.get("content", ""),
             }
             if payload.get("tool_calls"):
                 message["tool_calls"] = list(payload["tool_calls"])
+                for call in payload["tool_calls"]:
+                    pending[str(call.get("id", ""))] = str(call.get("name", ""))
             messages.append(message)
         elif etype in (TOOL_SUCCEEDED, TOOL_FAILED):
+            pending.pop(str(payload.get("id", "")), None)
             content = (
                 payload.get("output")
                 if etype == TOOL_SUCCEEDED
@@ -81,6 +122,7 @@ def history_from_events(events: Iterable[tuple[str, Mapping[str, Any]]]) -> list
                     "content": str(content),
                 }
             )
+    answer_pending()
     return messages
 
 
@@ -152,6 +194,7 @@ async def run_turn(
         await emit(batch)
         if not calls:
             return TurnOutcome(text=text, steps=step, usage=usage)
+        crash_point("tool.started")
         results: EventBatch = []
         for call in calls:
             ok, output = await _call_tool(tools_by_name.get(call.name), call, ctx)

@@ -30,7 +30,15 @@ from django.db.models import Q
 from django.utils import timezone
 
 from agents.code_tools import CodeToolsRuntime
-from agents.engine import AgentTurn, EventBatch, history_from_events, run_turn
+from agents.engine import (
+    INTERRUPTED_TOOL_ERROR,
+    TOOL_FAILED,
+    AgentTurn,
+    EventBatch,
+    history_from_events,
+    run_turn,
+    unanswered_tool_calls,
+)
 from agents.flows import models_to_initialise, reachable_agents, reachable_nodes, run_flow
 from agents.jobs.glue import JobEventRecorder, build_job_runtime, poll_cancel_requests
 from agents.jobs.tools import JOB_TOOLS
@@ -53,6 +61,7 @@ from pooling.providers import get_adapter
 from pooling.providers.base import ModelRequest
 from sageproject.db import db_call
 from sageproject.errors import ErrorCategory, NotFoundError, SageError
+from scheduling.dispatcher import StopSignal
 from scheduling.models import (
     TERMINAL_STATUSES,
     UNFINISHED_STATUSES,
@@ -60,8 +69,11 @@ from scheduling.models import (
     Run,
     RunStatus,
     run_cancelled_error,
+    run_interrupted_error,
 )
-from scheduling.store import Fence, append_events, check_fence, get_default_coordinator
+from scheduling.runs import Fence, Outcome, Start
+from scheduling.scheduler import FenceRejected
+from scheduling.store import append_events, get_default_coordinator
 
 logger = logging.getLogger("sage.execution")
 
@@ -86,13 +98,6 @@ class ModelRecordView:
     stamp: Any = None
 
 
-@dataclass(slots=True)
-class StopSignal:
-    """Why the worker cancelled an execution: ``cancelled``, ``shutdown`` or ``lease_lost``."""
-
-    reason: str | None = None
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PreparedRun:
     """One run's own data (its package comes from the Application)."""
@@ -110,6 +115,8 @@ class PreparedRun:
     session_kind: str = "master"
     # The reply that resumed a suspended run, emitted as ``interaction.resolved``.
     resolution: dict[str, Any] | None = None
+    # ``tool.call.failed`` events for this run's calls a crashed attempt left unanswered.
+    interrupted_calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
 def find_model_record(owner_id: int, name: str) -> ModelRecord:
@@ -486,18 +493,28 @@ class RunExecutor:
 
     # --- preparation --------------------------------------------------------------
 
-    async def _prepare(self, run_id: Any) -> PreparedRun:
+    async def _prepare(self, run_id: Any, fence: Fence | None = None) -> PreparedRun:
         """The run, its session and its conversation. The history comes from the store
         coordinator, which the run's commits use anyway: it is read once, not twice."""
         prepared = await db_call(self._prepare_sync, run_id)
         events = await get_default_coordinator().history(prepared.session_id, fresh=True)
         run_key = str(run_id)
+        own = [(e.type, e.payload) for e in events if str(e.run_id) == run_key]
         return dataclasses.replace(
             prepared,
             history=history_from_events((event.type, event.payload) for event in events),
-            first_attempt=not any(
-                event.type == "run.started" and str(event.run_id) == run_key for event in events
-            ),
+            first_attempt=not any(etype == "run.started" for etype, _ in own),
+            interrupted_calls=[
+                (
+                    TOOL_FAILED,
+                    {
+                        "id": call.get("id"),
+                        "name": call.get("name"),
+                        "error": INTERRUPTED_TOOL_ERROR,
+                    },
+                )
+                for call in unanswered_tool_calls(own)
+            ],
         )
 
     def _prepare_sync(self, run_id: Any) -> PreparedRun:
@@ -552,15 +569,16 @@ class RunExecutor:
 
     # --- the run ----------------------------------------------------------------
 
-    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> str:
-        """Execute one claimed run to a terminal status (or ``suspended``); returns it.
+    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> Outcome | str:
+        """Execute one claimed run and return its `Outcome` (a terminal status or
+        ``suspended``) for the dispatcher to commit; ``"lease_lost"`` when a write was
+        refused because another worker holds the run now. Never writes the run's status.
 
         Raises ``CancelledError`` only when the worker cancels for ``shutdown`` or
-        ``lease_lost``: then nothing terminal is written and the run is requeued by
-        its lease.
+        ``lease_lost``: then nothing terminal is written and the run is requeued.
         """
         try:
-            prepared = await self._prepare(run_id)
+            prepared = await self._prepare(run_id, fence)
         except Exception as exc:
             error = (
                 exc
@@ -569,7 +587,7 @@ class RunExecutor:
                     "run.not_found", f"the run could not be loaded: {type(exc).__name__}"
                 )
             )
-            return await self._finish(run_id, fence, RunStatus.FAILED, None, error.record(), None)
+            return Outcome(status=RunStatus.FAILED, session_id=None, error=error.record())
         async with contextlib.AsyncExitStack() as stack:
             try:
                 app = await stack.enter_async_context(
@@ -578,26 +596,43 @@ class RunExecutor:
                     )
                 )
             except asyncio.CancelledError:
-                if stop.reason == "cancelled":
-                    await self._stop_jobs(run_id)
-                    return await self._finish(
-                        run_id, fence, RunStatus.CANCELLED, None, run_cancelled_error(), prepared
-                    )
+                stopped = await self._stopped(stop, prepared)
+                if stopped is not None:
+                    return stopped
                 raise
             except SageError as exc:
                 # No Application: a full cache suspends the run (retry resumes it once an
                 # instance is released); a missing package or model record fails it.
                 if exc.code in SUSPENDING_CODES:
-                    return await self._suspend(run_id, fence, exc, prepared)
-                return await self._finish(
-                    run_id, fence, RunStatus.FAILED, None, exc.record(), prepared
+                    return self._suspension(exc, prepared)
+                return Outcome(
+                    status=RunStatus.FAILED, session_id=prepared.session_id, error=exc.record()
                 )
             return await self._execute_with(app, prepared, fence, stop)
         raise AssertionError("unreachable")  # the block above always returns or raises
 
+    async def _stopped(self, stop: StopSignal, prepared: PreparedRun) -> Outcome | None:
+        """The outcome of a run its owner cancelled or a newer run interrupted; None for a
+        shutdown or a lost lease (the run is requeued)."""
+        if stop.reason not in ("cancelled", "interrupt", "rollback"):
+            return None
+        await self._stop_jobs(prepared.run_id)
+        if stop.reason == "cancelled":
+            return Outcome(
+                status=RunStatus.CANCELLED,
+                session_id=prepared.session_id,
+                error=run_cancelled_error(),
+            )
+        return Outcome(
+            status=RunStatus.INTERRUPTED,
+            session_id=prepared.session_id,
+            error=run_interrupted_error(),
+            rollback=stop.reason == "rollback",
+        )
+
     async def _execute_with(
         self, app: Application, prepared: PreparedRun, fence: Fence, stop: StopSignal
-    ) -> str:
+    ) -> Outcome | str:
         run_id = prepared.run_id
 
         async def emit(batch: EventBatch) -> None:
@@ -610,6 +645,9 @@ class RunExecutor:
             start.append(("interaction.resolved", prepared.resolution))
             start.append(("run.resumed", {"decision": prepared.resolution.get("decision")}))
         start.append(("run.started", {"first_attempt": prepared.first_attempt}))
+        # Tool calls a crashed attempt left without a result are answered before the
+        # model is called again: providers reject a history with an unanswered call.
+        start.extend(prepared.interrupted_calls)
         history = prepared.history
         if prepared.first_attempt:
             start.append(("message.completed", {"role": "user", "content": prepared.user_input}))
@@ -624,7 +662,13 @@ class RunExecutor:
         flow_outputs = None
         try:
             agents = await self._current_agents(app)
-            await emit(start)
+            await append_events(
+                session_id=prepared.session_id,
+                run_id=run_id,
+                events=start,
+                fence=fence,
+                transition=Start(fence, clear_resolution=prepared.resolution is not None),
+            )
             if app.flow is not None:
                 flow = await self._run_flow(app, agents, prepared, emit, ctx)
                 result = {"text": flow.output, "steps": flow.steps, "flow": flow.flow}
@@ -642,19 +686,19 @@ class RunExecutor:
                 )
                 result = {"text": outcome.text, "steps": outcome.steps, "usage": outcome.usage}
         except asyncio.CancelledError:
-            if stop.reason == "cancelled":
-                await self._stop_jobs(run_id)
-                return await self._finish(
-                    run_id, fence, RunStatus.CANCELLED, None, run_cancelled_error(), prepared
-                )
+            stopped = await self._stopped(stop, prepared)
+            if stopped is not None:
+                return stopped
             raise
+        except FenceRejected:
+            logger.warning("run %s lost its lease; its writes stop here", run_id)
+            return "lease_lost"
         except SageError as exc:
-            if exc.code == "scheduler.fence_rejected":
-                logger.warning("run %s lost its lease; its writes stop here", run_id)
-                return "lease_lost"
             if exc.code in SUSPENDING_CODES:
-                return await self._suspend(run_id, fence, exc, prepared)
-            return await self._finish(run_id, fence, RunStatus.FAILED, None, exc.record(), prepared)
+                return self._suspension(exc, prepared)
+            return Outcome(
+                status=RunStatus.FAILED, session_id=prepared.session_id, error=exc.record()
+            )
         except Exception as exc:
             logger.exception("run %s failed with an unexpected error", run_id)
             error = SageError(
@@ -662,9 +706,26 @@ class RunExecutor:
                 f"internal error: {type(exc).__name__}",
                 category=ErrorCategory.INTERNAL,
             ).record()
-            return await self._finish(run_id, fence, RunStatus.FAILED, None, error, prepared)
-        return await self._finish(
-            run_id, fence, RunStatus.COMPLETED, result, None, prepared, flow_outputs=flow_outputs
+            return Outcome(status=RunStatus.FAILED, session_id=prepared.session_id, error=error)
+        return Outcome(
+            status=RunStatus.COMPLETED,
+            session_id=prepared.session_id,
+            result=result,
+            flow_outputs=flow_outputs,
+        )
+
+    def _suspension(self, error: SageError, prepared: PreparedRun) -> Outcome:
+        """Park the run as ``suspended`` with an interaction a reply can resolve."""
+        logger.info("run %s suspends: %s", prepared.run_id, error.code)
+        return Outcome(
+            status=RunStatus.SUSPENDED,
+            session_id=prepared.session_id,
+            interaction={
+                "id": uuid.uuid4().hex,
+                "type": "retry",
+                **error.record(),
+                "allowed_decisions": ["retry", "cancel"],
+            },
         )
 
     async def _run_flow(
@@ -712,121 +773,3 @@ class RunExecutor:
             run_tool=run_tool,
             on_event=on_event,
         )
-
-    async def _finish(
-        self,
-        run_id: Any,
-        fence: Fence,
-        status: str,
-        result: Any,
-        error: Any,
-        prepared: PreparedRun | None,
-        *,
-        flow_outputs: dict[str, Any] | None = None,
-    ) -> str:
-        """Terminal event, then terminal status and archive, both fenced.
-
-        Shielded: a cancellation arriving now must not leave a half-finished run.
-        """
-        event_type = TERMINAL_EVENTS[status]
-        payload = {"result": result} if result is not None else {"error": error}
-        try:
-            if prepared is not None:
-                await asyncio.shield(
-                    append_events(
-                        session_id=prepared.session_id,
-                        run_id=run_id,
-                        events=[(event_type, payload)],
-                        fence=fence,
-                    )
-                )
-            await asyncio.shield(
-                db_call(
-                    finish_run_sync,
-                    fence=fence,
-                    status=status,
-                    result=result,
-                    error=error,
-                    flow_outputs=flow_outputs,
-                )
-            )
-        except SageError as exc:
-            if exc.code == "scheduler.fence_rejected":
-                logger.warning("run %s lost its lease before finishing", run_id)
-                return "lease_lost"
-            raise
-        return status
-
-    async def _suspend(
-        self, run_id: Any, fence: Fence, error: SageError, prepared: PreparedRun
-    ) -> str:
-        """Park the run as ``suspended`` with an interaction a reply can resolve."""
-        interaction = {
-            "id": uuid.uuid4().hex,
-            "type": "retry",
-            **error.record(),
-            "allowed_decisions": ["retry", "cancel"],
-        }
-        try:
-            await asyncio.shield(
-                append_events(
-                    session_id=prepared.session_id,
-                    run_id=run_id,
-                    fence=fence,
-                    events=[
-                        ("run.suspended", {"code": error.code}),
-                        ("interaction.requested", interaction),
-                    ],
-                )
-            )
-            await asyncio.shield(db_call(suspend_run_sync, fence=fence, interaction=interaction))
-        except SageError as exc:
-            if exc.code == "scheduler.fence_rejected":
-                return "lease_lost"
-            raise
-        logger.info("run %s suspended: %s", run_id, error.code)
-        return RunStatus.SUSPENDED
-
-
-TERMINAL_EVENTS = {
-    RunStatus.COMPLETED: "run.completed",
-    RunStatus.FAILED: "run.failed",
-    RunStatus.CANCELLED: "run.cancelled",
-}
-
-
-def suspend_run_sync(*, fence: Fence, interaction: dict[str, Any]) -> None:
-    with transaction.atomic():
-        check_fence(fence)
-        Run.objects.filter(pk=fence.run_id).update(
-            status=RunStatus.SUSPENDED,
-            interaction=interaction,
-            lease_owner="",
-            lease_expires_at=None,
-        )
-
-
-def finish_run_sync(
-    *,
-    fence: Fence,
-    status: str,
-    result: Any,
-    error: Any,
-    flow_outputs: dict[str, Any] | None = None,
-) -> None:
-    """Terminal status and archive (with flow outputs) in one transaction, only while the
-    lease holds."""
-    with transaction.atomic():
-        check_fence(fence)
-        Run.objects.filter(pk=fence.run_id).update(
-            status=status,
-            result=result,
-            error=error,
-            finished_at=timezone.now(),
-            lease_owner="",
-            lease_expires_at=None,
-            interaction=None,
-        )
-        record = archive_terminal(Run.objects.select_related("session").get(pk=fence.run_id))
-        if flow_outputs is not None:
-            ManagedAgentRecord.objects.filter(pk=record.pk).update(flow_outputs=flow_outputs)

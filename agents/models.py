@@ -60,7 +60,7 @@ class ManagedAgentRecord(models.Model):
     package_ref = models.CharField(max_length=64)
     package_name = models.CharField(max_length=100, blank=True)
     agent_id = models.CharField(max_length=100)
-    status = models.CharField(max_length=10)
+    status = models.CharField(max_length=12)
     result = models.JSONField(null=True, blank=True)
     flow_outputs = models.JSONField(null=True, blank=True)
     error = models.JSONField(null=True, blank=True)

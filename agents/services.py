@@ -8,10 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
-from django.db import transaction
-from django.utils import timezone
-
 from agents.models import AgentPackage, ManagedAgentRecord
 from agents.packages import package_resolve, package_validate, strict_mode
 from sageproject.dblocks import named_lock
@@ -19,17 +15,17 @@ from sageproject.errors import (
     ConflictError,
     ErrorCategory,
     NotFoundError,
-    RateLimitedError,
     SageError,
     ValidationError,
 )
+from scheduling import runs
 from scheduling.models import (
+    Multitask,
     Run,
     RunQueue,
     RunStatus,
     Session,
     SessionKind,
-    run_cancelled_error,
 )
 
 
@@ -57,16 +53,6 @@ def session_create(
     )
 
 
-def queue_full_error(limit: int, *, per_user: bool = False) -> RateLimitedError:
-    whose = "you have" if per_user else "the host has"
-    return RateLimitedError(
-        "scheduler.queue_full",
-        f"{whose} {limit} queued runs, the limit; try again shortly",
-        resumable=True,
-        details={"max_pending_per_user" if per_user else "max_pending": limit, "retry_after": 2},
-    )
-
-
 def run_submit(
     *,
     owner,
@@ -75,13 +61,16 @@ def run_submit(
     idempotency_key: str | None = None,
     queue: str = RunQueue.CHAT,
     priority: int = 0,
+    multitask: str = Multitask.ENQUEUE,
 ) -> tuple[Run, bool]:
-    """Admit a run (queued); returns (run, created).
+    """Admit a run (queued) into the owner's session; returns (run, created).
 
     A repeated ``idempotency_key`` answers the run it created first. Raises
-    ``scheduler.queue_full`` (429) when the host already holds its pending limit.
-    Admission is serialized by a database lock, so concurrent submissions never exceed
-    the limit, never lose a run and never create two runs for one key.
+    ``session.not_found`` (404), ``scheduler.queue_full`` (429) at the pending limits and
+    ``session.busy`` (409) for ``multitask=reject`` while the session has an unfinished
+    run. Admission is serialized by a database lock, so concurrent submissions never
+    exceed the limit, never lose a run and never create two runs for one key. A session
+    runs one run at a time: later runs wait in order (see ``scheduling.runs.admit``).
     """
     session = Session.objects.filter(pk=session_id, owner=owner).first()
     if session is None:
@@ -91,54 +80,23 @@ def run_submit(
         if package is None:
             raise NotFoundError("package.not_found", "the session's package version is gone")
         package_validate(owner=owner, package=package, strict=True)
-    limit = settings.SAGE["SAGE_SERVER_MAX_PENDING_RUNS"]
-    per_user = settings.SAGE["SAGE_SERVER_MAX_PENDING_RUNS_PER_USER"]
-    with named_lock("sage.run_admission"):
-        if idempotency_key:
-            existing = Run.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
-            if existing is not None:
-                return existing, False
-        queued = Run.objects.filter(status=RunStatus.QUEUED, parent__isnull=True)
-        if queued.count() >= limit:
-            raise queue_full_error(limit)
-        # One user flooding the queue must not lock everyone else out of admission.
-        if queued.filter(owner=owner).count() >= per_user:
-            raise queue_full_error(per_user, per_user=True)
-        run = Run.objects.create(
-            session=session,
-            owner=owner,
-            input=input,
-            idempotency_key=idempotency_key or None,
-            queue=queue,
-            priority=priority,
-        )
-    return run, True
+    return runs.admit(
+        owner=owner,
+        session=session,
+        input=input,
+        idempotency_key=idempotency_key,
+        queue=queue,
+        priority=priority,
+        multitask=multitask,
+        lock=lambda: named_lock("sage.run_admission"),
+    )
 
 
 def run_cancel(*, run: Run) -> Run:
-    """Cancel a run: a queued or suspended one at once, a running one through its worker.
-
-    Idempotent: a terminal run is answered unchanged.
-    """
-    with transaction.atomic():
-        now = timezone.now()
-        stopped = Run.objects.filter(
-            pk=run.pk, status__in=[RunStatus.QUEUED, RunStatus.SUSPENDED]
-        ).update(
-            status=RunStatus.CANCELLED,
-            cancel_requested=True,
-            finished_at=now,
-            error=run_cancelled_error(),
-            interaction=None,
-        )
-        if stopped:
-            # No event here: the worker's store owns the session's sequence. The run's
-            # status and its archive say it was cancelled.
-            fresh = Run.objects.select_related("session").get(pk=run.pk)
-            archive_terminal(fresh)
-        else:
-            Run.objects.filter(pk=run.pk, status=RunStatus.RUNNING).update(cancel_requested=True)
-    return Run.objects.get(pk=run.pk)
+    """Cancel a run: a queued or suspended one at once (its ``run.cancelled`` event and
+    archive with it), a running one through its worker at its next step (or the reaper, if
+    its worker died). Idempotent: a terminal run is answered unchanged."""
+    return runs.cancel(run.pk)
 
 
 def run_reply(*, run: Run, decision: str, interaction_id: str | None = None) -> Run:
@@ -164,31 +122,27 @@ def run_reply(*, run: Run, decision: str, interaction_id: str | None = None) -> 
     if decision == "cancel":
         return run_cancel(run=run)
     resolution = {"interaction_id": interaction.get("id"), "decision": decision}
-    updated = Run.objects.filter(pk=run.pk, status=RunStatus.SUSPENDED).update(
-        status=RunStatus.QUEUED,
-        available_at=timezone.now(),
-        interaction={**interaction, "resolution": resolution},
-    )
-    if not updated:
+    if not runs.resume(run.pk, resolution):
         raise ConflictError("run.not_suspended", "the run changed state; read it again")
     return Run.objects.get(pk=run.pk)
 
 
-def archive_terminal(run: Run) -> ManagedAgentRecord:
-    """Write (or refresh) the terminal archive of a finished run."""
+def archive_terminal(run: Run, flow_outputs: dict[str, Any] | None = None) -> ManagedAgentRecord:
+    """Write (or refresh) the terminal archive of a finished run (registered with
+    ``scheduling.runs`` as the archiver of every terminal transition)."""
     session = run.session
-    record, _ = ManagedAgentRecord.objects.update_or_create(
-        run=run,
-        defaults={
-            "owner_id": run.owner_id,
-            "package_ref": session.package_ref,
-            "package_name": session.package_name,
-            "agent_id": session.agent_id,
-            "status": run.status,
-            "result": run.result,
-            "error": run.error,
-        },
-    )
+    defaults = {
+        "owner_id": run.owner_id,
+        "package_ref": session.package_ref,
+        "package_name": session.package_name,
+        "agent_id": session.agent_id,
+        "status": run.status,
+        "result": run.result,
+        "error": run.error,
+    }
+    if flow_outputs is not None:
+        defaults["flow_outputs"] = flow_outputs
+    record, _ = ManagedAgentRecord.objects.update_or_create(run=run, defaults=defaults)
     return record
 
 

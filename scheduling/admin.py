@@ -4,6 +4,7 @@ from django.contrib import admin, messages
 from django.urls import reverse
 from django.utils.html import format_html
 
+from scheduling import runs
 from scheduling.models import Event, Run, Session, WorkerSnapshot
 
 
@@ -94,13 +95,14 @@ class RunAdmin(admin.ModelAdmin):
         "queue",
         "priority",
         "attempts",
+        "crashes",
         "lease_owner",
         "lease_token",
         "lease_expires_at",
         "created_at",
         "finished_at",
     ]
-    list_filter = ["status", "queue", "cancel_requested"]
+    list_filter = ["status", "queue", "cancel_requested", "ready"]
     search_fields = ["id", "owner__username", "session__id", "idempotency_key"]
     list_select_related = ["owner"]
     date_hierarchy = "created_at"
@@ -112,12 +114,10 @@ class RunAdmin(admin.ModelAdmin):
 
     @admin.action(description="Cancel selected runs")
     def cancel_runs(self, request, queryset) -> None:
-        from agents.services import run_cancel
-
         count = 0
         for run in queryset:
             if not run.is_terminal:
-                run_cancel(run=run)
+                runs.cancel(run.pk)
                 count += 1
         self.message_user(request, f"Cancellation requested for {count} run(s).", messages.SUCCESS)
 

@@ -1,21 +1,23 @@
 """The worker's dispatcher: claims runs from a scheduler and supervises their executions.
 
-Path of a run (BEHAVIOUR §3.6-3.8): ``DatabaseScheduler.claim`` (fair order, per-user and
-global quotas) → an execution task running ``executor.execute(run_id, fence, stop)`` → its
-writes go through the session store coordinator fenced by the lease (``self.store`` is the
-`LeaseFencedSessionStore` over the process coordinator; the stock executor passes the fence
-to ``append_events`` itself) → ``release`` when it ends.
+Path of a run: ``DatabaseScheduler.claim`` (fair order, per-user and global quotas, one run
+per session) → an execution task running ``executor.execute(run_id, fence, stop)``, whose
+event writes carry the lease's fence → the `Outcome` it returns is committed here as one
+transaction (``runs.Outcome``: the terminal event, status, result and archive, or the
+suspension and its interaction) through the session store.
 
 Per execution: a renewer extends the lease every third of its length; if it cannot (the
 lease was lost, or renewal kept failing until the lease ran out) the execution is cancelled
 with ``stop.reason = "lease_lost"``. One watcher polls ``Run.cancel_requested`` for all
-executions about once a second and cancels with ``stop.reason = "cancelled"``. On drain,
-executions left after the grace period are cancelled with ``stop.reason = "shutdown"`` and
-requeued with ``scheduler.worker_shutdown`` (resumable).
+executions about once a second and stops them with ``stop.reason`` ``cancelled``,
+``interrupt`` or ``rollback`` (a newer run of the session took over). On drain, executions
+left after the grace period are cancelled with ``stop.reason = "shutdown"`` and requeued
+with ``scheduler.worker_shutdown`` (resumable; the crash budget is not used).
 
-Claim errors: transient ones (OS/database connection errors, retryable `SageError`) back
-off 0.1 s → 5 s and claiming goes on; any other error stops claiming and is reported in
-`capacity()` (runs already executing still finish).
+Claim errors: transient ones (any database or connection error, retryable `SageError`)
+back off 0.1 s → 5 s and claiming goes on; any other error stops claiming, is logged and
+reported in `capacity()`, and ``on_permanent_error`` is called (the worker then exits so
+its supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -28,67 +30,67 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import InterfaceError, OperationalError
+from django.db import InterfaceError, InternalError, OperationalError
 from django.utils import timezone
-from django.utils.module_loading import import_string
 
 from sageproject.db import db_call
 from sageproject.errors import ErrorCategory, SageError
+from scheduling import runs
 from scheduling.db_scheduler import DatabaseScheduler, lease_fence
-from scheduling.models import Run, run_cancelled_error
+from scheduling.models import Run, RunStatus, run_cancelled_error
+from scheduling.runs import Fence, Outcome
 from scheduling.scheduler import (
-    LeaseReleaseReason,
+    FenceRejected,
+    LeaseExpired,
     SchedulerClaimPolicy,
     WorkerLease,
     worker_shutdown_error,
 )
-from scheduling.store import Fence, LeaseFencedSessionStore, get_default_coordinator
+from scheduling.store import append_events
 
 logger = logging.getLogger("sage.dispatcher")
 
 BACKOFF_START, BACKOFF_MAX = 0.1, 5.0
 IDLE_START, IDLE_MAX = 0.05, 0.5
 
-_RELEASE_FOR_STATUS = {
-    "completed": LeaseReleaseReason.COMPLETED,
-    "failed": LeaseReleaseReason.FAILED,
-    "cancelled": LeaseReleaseReason.CANCELLED,
-    "suspended": LeaseReleaseReason.SUSPENDED,
-}
-
-
 INTERNAL_ERROR = SageError(
     "execution.internal", "the executor failed unexpectedly", category=ErrorCategory.INTERNAL
 ).record()
 
+# ``Run.stop_request`` → the stop reason an execution is cancelled with.
+_STOP_REASONS = {
+    "cancel": "cancelled",
+    "interrupt": "interrupt",
+    "rollback": "rollback",
+    "": "cancelled",
+}
+
 
 def is_transient(exc: BaseException) -> bool:
-    """True for claim errors worth retrying (the database restarting, a busy lock)."""
+    """True for claim errors worth retrying: a database restarting, a dropped connection, a
+    busy lock, PostgreSQL ending a session left idle in its transaction (class 25, raised
+    as ``InternalError``). A schema or programming error is permanent."""
     if isinstance(exc, SageError):
         return exc.retryable
-    return isinstance(exc, OSError | TimeoutError | OperationalError | InterfaceError)
+    transient = OSError | TimeoutError | OperationalError | InterfaceError | InternalError
+    return isinstance(exc, transient)
 
 
-def archive_run(run_pk: Any) -> None:
-    """Archive a terminal run through ``agents.services.archive_terminal`` (by name).
-
-    Scheduling never imports agents statically; call inside a transaction or thread.
-    """
-    archive = import_string("agents.services.archive_terminal")
-    archive(Run.objects.select_related("session").get(pk=run_pk))
-
-
-def _cancel_requested(run_ids: list[Any]) -> list[str]:
+def _stop_requests(run_ids: list[Any]) -> list[tuple[str, str]]:
     return [
-        str(pk)
-        for pk in Run.objects.filter(pk__in=run_ids, cancel_requested=True).values_list(
-            "pk", flat=True
+        (str(pk), reason)
+        for pk, reason in Run.objects.filter(pk__in=run_ids, cancel_requested=True).values_list(
+            "pk", "stop_request"
         )
     ]
 
 
-def _default_stop() -> Any:
-    return import_string("agents.execution.StopSignal")()
+@dataclass(slots=True)
+class StopSignal:
+    """Why the worker stopped an execution: ``cancelled``, ``interrupt``, ``rollback``
+    (the run ends so), ``shutdown`` or ``lease_lost`` (the run is requeued)."""
+
+    reason: str | None = None
 
 
 class _LeaseLost(Exception):
@@ -101,7 +103,7 @@ class Execution:
 
     lease: WorkerLease
     fence: Fence
-    stop: Any
+    stop: StopSignal
     task: asyncio.Task[Any]
     started: datetime = field(default_factory=timezone.now)
     supervisor: asyncio.Task[Any] | None = None
@@ -133,7 +135,7 @@ class Dispatcher:
         max_concurrent_runs_per_user: int = 2,
         lease_seconds: float = 30.0,
         cancel_poll_seconds: float = 1.0,
-        stop_factory: Callable[[], Any] = _default_stop,
+        on_permanent_error: Callable[[str], None] | None = None,
     ) -> None:
         if max_concurrent_runs < 1 or max_concurrent_runs_per_user < 1:
             raise ValueError("concurrency limits must be positive")
@@ -148,7 +150,7 @@ class Dispatcher:
         self.renew_interval = max(lease_seconds / 3, 0.05)
         self.cancel_poll_seconds = cancel_poll_seconds
         self.policy = SchedulerClaimPolicy(max_active_per_tenant=max_concurrent_runs_per_user)
-        self._stop_factory = stop_factory
+        self.on_permanent_error = on_permanent_error
         self.executions: dict[str, Execution] = {}
         self.completed = 0
         self.peak_active = 0
@@ -156,21 +158,6 @@ class Dispatcher:
         self.last_claim_error: str | None = None
         self.permanent_error: str | None = None
         self._slot_freed = asyncio.Event()
-        self._store: LeaseFencedSessionStore | None = None
-
-    # ----------------------------------------------------------------- store
-
-    @property
-    def store(self) -> LeaseFencedSessionStore:
-        """The process coordinator, every write fenced by this dispatcher's live lease."""
-        if self._store is None:
-            self._store = LeaseFencedSessionStore(get_default_coordinator(), self.fence_for)
-        return self._store
-
-    def fence_for(self, run_id: Any) -> Fence | None:
-        """The current fence of a run this dispatcher executes, else None."""
-        execution = self.executions.get(str(run_id))
-        return None if execution is None else execution.fence
 
     # ----------------------------------------------------------------- claim loop
 
@@ -203,6 +190,8 @@ class Dispatcher:
                 if not is_transient(exc):
                     self.permanent_error = self.last_claim_error
                     logger.error("claiming failed permanently; no new runs start: %s", exc)
+                    if self.on_permanent_error is not None:
+                        self.on_permanent_error(self.last_claim_error)
                     return
                 logger.warning("claim failed (%s); retrying in %.1fs", exc, backoff)
                 await self._first(stopping.wait(), asyncio.sleep(backoff))
@@ -232,7 +221,7 @@ class Dispatcher:
 
     def _start(self, lease: WorkerLease) -> None:
         fence = lease_fence(lease)
-        stop = self._stop_factory()
+        stop = StopSignal()
         task = asyncio.create_task(
             self.executor.execute(fence.run_id, fence, stop), name=f"run-{lease.run_id}"
         )
@@ -276,93 +265,118 @@ class Dispatcher:
             lease = execution.lease
             try:
                 execution.lease = await self.scheduler.renew(lease, lease_duration=self.lease)
-            except SageError as exc:
-                if exc.code == "scheduler.lease_expired":
-                    logger.warning("run %s lost its lease", lease.run_id)
-                    raise _LeaseLost() from exc
-                raise
+            except LeaseExpired as exc:
+                logger.warning("run %s lost its lease", lease.run_id)
+                raise _LeaseLost() from exc
             except Exception as exc:
                 if timezone.now() >= lease.expires_at:
                     raise _LeaseLost() from exc
                 logger.warning("renewing run %s failed (%s); retrying", lease.run_id, exc)
 
     async def _settle(self, execution: Execution) -> None:
-        """Wait for the execution and give its lease back according to how it ended."""
+        """Wait for the execution and commit how it ended (one transaction), or give the
+        run back to the queue."""
         lease, stop = execution.lease, execution.stop
         run_id = lease.run_id
         try:
-            status = await execution.task
+            outcome = await execution.task
         except asyncio.CancelledError:
             reason = stop.reason
-            lease = execution.lease
             if reason == "shutdown":
-                await self._release(
-                    lease,
-                    LeaseReleaseReason.WORKER_SHUTDOWN,
-                    requeue=True,
-                    error=worker_shutdown_error().record(),
-                )
-                logger.info("run %s requeued on shutdown", run_id)
-            elif reason == "cancelled":
-                # Cancelled before the executor could record it (e.g. while preparing).
-                if await self._release(
-                    lease, LeaseReleaseReason.CANCELLED, error=run_cancelled_error()
-                ):
-                    await self._archive(run_id)
+                if await self._requeue(execution, worker_shutdown_error().record()):
+                    logger.info("run %s requeued on shutdown", run_id)
+            elif reason in ("cancelled", "interrupt", "rollback"):
+                # Stopped before the executor could record it (e.g. while preparing).
+                status = RunStatus.CANCELLED if reason == "cancelled" else RunStatus.INTERRUPTED
+                error = run_cancelled_error() if reason == "cancelled" else None
+                await self._finish_direct(execution, status, error)
             else:
                 logger.info("run %s stopped: %s", run_id, reason or "lease lost")
                 self.scheduler.forget(lease)
             return
         except Exception:
             logger.exception("run %s crashed the executor", run_id)
-            if await self._release(
-                execution.lease, LeaseReleaseReason.FAILED, error=INTERNAL_ERROR
-            ):
-                await self._archive(run_id)
+            await self._finish_direct(execution, RunStatus.FAILED, INTERNAL_ERROR)
             return
-        if status == "lease_lost":
+        if outcome == "lease_lost":
             # The executor's fenced write was refused by the database: another worker
             # holds the run now, and nothing this execution wrote afterwards was kept.
             logger.warning("run %s: write rejected (scheduler.fence_rejected)", run_id)
+            self.scheduler.forget(lease)
+            return
+        await self._commit(execution, outcome)
+
+    async def _commit(self, execution: Execution, outcome: Outcome) -> None:
+        """The outcome's events and transition in one transaction (retried through a
+        database restart; refused once the lease is lost — the run is then reclaimed)."""
+        run_id = execution.lease.run_id
+        fence = execution.fence
+        try:
+            if outcome.session_id is None:
+                await db_call(
+                    runs.finish, fence, outcome.status, result=outcome.result, error=outcome.error
+                )
+            else:
+                await asyncio.shield(
+                    append_events(
+                        session_id=outcome.session_id,
+                        run_id=fence.run_id,
+                        events=outcome.events(),
+                        fence=fence,
+                        transition=outcome.transition(fence),
+                    )
+                )
+        except FenceRejected:
+            logger.warning("run %s lost its lease before it could finish", run_id)
             self.scheduler.forget(execution.lease)
             return
+        except Exception as exc:  # its lease expires and the run is reaped (a crash)
+            logger.error("run %s: committing its outcome failed: %s", run_id, exc)
+            self.scheduler.forget(execution.lease)
+            return
+        self.scheduler.forget(execution.lease)
         self.completed += 1
-        logger.info("run %s %s", run_id, status)
-        reason = _RELEASE_FOR_STATUS.get(str(status), LeaseReleaseReason.FAILED)
-        await self._release(execution.lease, reason)
+        logger.info("run %s %s", run_id, outcome.status)
 
-    async def _release(self, lease: WorkerLease, reason: LeaseReleaseReason, **kw: Any) -> bool:
+    async def _finish_direct(
+        self, execution: Execution, status: str, error: dict[str, Any] | None
+    ) -> None:
         try:
-            await self.scheduler.release(lease, reason, **kw)
-            return True
-        except SageError as exc:
-            logger.warning("releasing run %s: %s", lease.run_id, exc.code)
+            await db_call(runs.finish, execution.fence, status, error=error)
+            logger.info("run %s %s", execution.lease.run_id, status)
+        except FenceRejected:
+            logger.warning("run %s: finish rejected (lease lost)", execution.lease.run_id)
         except Exception as exc:  # its lease expires and the run is reaped
-            logger.warning("releasing run %s failed: %s", lease.run_id, exc)
-        return False
+            logger.warning("finishing run %s failed: %s", execution.lease.run_id, exc)
+        self.scheduler.forget(execution.lease)
 
-    async def _archive(self, run_id: str) -> None:
+    async def _requeue(self, execution: Execution, error: dict[str, Any]) -> bool:
         try:
-            await db_call(archive_run, run_id)
-        except Exception as exc:
-            logger.warning("archiving run %s failed: %s", run_id, exc)
+            await self.scheduler.release(
+                execution.lease, "worker_shutdown", requeue=True, error=error
+            )
+            return True
+        except Exception as exc:  # its lease expires and the run is reaped
+            logger.warning("requeueing run %s failed: %s", execution.lease.run_id, exc)
+            self.scheduler.forget(execution.lease)
+            return False
 
     async def _watch_cancellations(self) -> None:
-        """Cancel executions whose run got ``cancel_requested`` (one query per tick)."""
+        """Stop executions whose run got ``cancel_requested`` (one query per tick)."""
         while True:
             await asyncio.sleep(self.cancel_poll_seconds)
             ids = [uuid.UUID(rid) for rid, e in self.executions.items() if e.stop.reason is None]
             if not ids:
                 continue
             try:
-                requested = await db_call(_cancel_requested, ids)
+                requested = await db_call(_stop_requests, ids)
             except Exception as exc:
                 logger.warning("checking cancellations failed: %s", exc)
                 continue
-            for run_id in requested:
+            for run_id, reason in requested:
                 execution = self.executions.get(run_id)
                 if execution is not None and not execution.task.done():
-                    execution.stop.reason = "cancelled"
+                    execution.stop.reason = _STOP_REASONS.get(reason, "cancelled")
                     execution.task.cancel()
 
     # ----------------------------------------------------------------- shutdown

@@ -96,6 +96,31 @@ class RunStatus(models.TextChoices):
     COMPLETED = "completed", "Completed"
     FAILED = "failed", "Failed"
     CANCELLED = "cancelled", "Cancelled"
+    # Stopped because a newer run of its session asked to take over (multitask
+    # ``interrupt`` or ``rollback``).
+    INTERRUPTED = "interrupted", "Interrupted"
+
+
+class Multitask(models.TextChoices):
+    """What a new run does when its session already has an unfinished run."""
+
+    # Wait behind the session's earlier runs (the default).
+    ENQUEUE = "enqueue", "Enqueue"
+    # Refuse the new run with 409 ``session.busy``.
+    REJECT = "reject", "Reject"
+    # Stop the unfinished runs at their next step (``interrupted``); the new run follows.
+    INTERRUPT = "interrupt", "Interrupt"
+    # As interrupt, and the interrupted runs' events are removed from the session.
+    ROLLBACK = "rollback", "Rollback"
+
+
+class StopRequest(models.TextChoices):
+    """Why ``cancel_requested`` was set: a cancel, or a newer run taking over."""
+
+    NONE = "", "None"
+    CANCEL = "cancel", "Cancel"
+    INTERRUPT = "interrupt", "Interrupt"
+    ROLLBACK = "rollback", "Rollback"
 
 
 def run_cancelled_error() -> dict[str, Any]:
@@ -105,7 +130,18 @@ def run_cancelled_error() -> dict[str, Any]:
     ).record()
 
 
-TERMINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+def run_interrupted_error() -> dict[str, Any]:
+    """``Run.error`` of a run a newer run of its session interrupted."""
+    return SageError(
+        "run.interrupted",
+        "a newer run of the session interrupted this run",
+        category=ErrorCategory.CANCELLED,
+    ).record()
+
+
+TERMINAL_STATUSES = frozenset(
+    {RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.INTERRUPTED}
+)
 UNFINISHED_STATUSES = frozenset({RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.SUSPENDED})
 
 
@@ -120,7 +156,7 @@ class Run(models.Model):
     )
     queue = models.CharField(max_length=10, choices=RunQueue.choices, default=RunQueue.CHAT)
     priority = models.IntegerField(default=0)
-    status = models.CharField(max_length=10, choices=RunStatus.choices, default=RunStatus.QUEUED)
+    status = models.CharField(max_length=12, choices=RunStatus.choices, default=RunStatus.QUEUED)
     input = models.JSONField(default=str, blank=True)
     result = models.JSONField(null=True, blank=True)
     # {"code", "category", "message", "retryable", "resumable"}; never a raw upstream body.
@@ -129,12 +165,23 @@ class Run(models.Model):
     interaction = models.JSONField(null=True, blank=True)
     idempotency_key = models.CharField(max_length=200, null=True, blank=True)
     cancel_requested = models.BooleanField(default=False)
+    # Why cancel_requested was set (a cancel, or a newer run interrupting this one).
+    stop_request = models.CharField(
+        max_length=10, choices=StopRequest.choices, default=StopRequest.NONE, blank=True
+    )
+    # True for the one run of its session that may execute: the oldest unfinished run.
+    # Claims consider ready runs only, so a session runs one run at a time, in order.
+    ready = models.BooleanField(default=True)
     available_at = models.DateTimeField(default=timezone.now)
     lease_owner = models.CharField(max_length=200, blank=True, default="")
     # Fencing token: strictly increasing across all claims; a write must present the current one.
     lease_token = models.BigIntegerField(null=True, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
+    # Claims so far (every execution, including resumes after a suspension or a restart).
     attempts = models.PositiveIntegerField(default=0)
+    # Executions that ended because their worker died (the lease expired): the crash
+    # budget SAGE_MAX_RUN_ATTEMPTS counts these, not suspensions or graceful restarts.
+    crashes = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -148,11 +195,14 @@ class Run(models.Model):
             ),
         ]
         indexes = [
-            # The worker's claim query: queued runs that are available, oldest first.
-            models.Index(fields=["status", "available_at", "created_at"], name="run_claim"),
-            # The fair claim's per-tenant window over queued runs (best head row per owner).
+            # The worker's claim query: ready queued runs that are available, oldest first.
             models.Index(
-                fields=["status", "owner", "-priority", "created_at"], name="run_fair_claim"
+                fields=["status", "ready", "available_at", "created_at"], name="run_claim_ready"
+            ),
+            # The fair claim's per-tenant window over ready queued runs (best row per owner).
+            models.Index(
+                fields=["status", "ready", "owner", "-priority", "created_at"],
+                name="run_fair_claim_ready",
             ),
             # Per-user quota counts and the owner's run list.
             models.Index(fields=["owner", "status"], name="run_owner_status"),

@@ -163,14 +163,34 @@ def work_id_conflict_error(work_id: str) -> ConflictError:
     )
 
 
-def lease_expired_error() -> ConflictError:
-    return ConflictError("scheduler.lease_expired", "The lease has expired or was superseded.")
+class LeaseExpired(ConflictError):
+    """``scheduler.lease_expired``: the lease ran out or was superseded (renewal refused)."""
+
+    def __init__(self, message: str = "The lease has expired or was superseded.") -> None:
+        super().__init__("scheduler.lease_expired", message)
 
 
-def fence_rejected_error() -> ConflictError:
-    return ConflictError(
-        "scheduler.fence_rejected", "lease is stale or no longer owns the work item"
-    )
+class FenceRejected(ConflictError):
+    """``scheduler.fence_rejected`` (resumable): a write under a lease that no longer owns
+    its run — another owner, a newer token, an expired lease or a finished run. Nothing of
+    the write was stored; the run continues (or already ended) under its current owner."""
+
+    def __init__(self, run_id: Any = None) -> None:
+        what = f"run {run_id}" if run_id is not None else "the run"
+        super().__init__(
+            "scheduler.fence_rejected",
+            f"{what} is no longer leased by this worker; the write was rejected",
+            resumable=True,
+            details={"run": str(run_id)} if run_id is not None else {},
+        )
+
+
+def lease_expired_error() -> LeaseExpired:
+    return LeaseExpired()
+
+
+def fence_rejected_error(run_id: Any = None) -> FenceRejected:
+    return FenceRejected(run_id)
 
 
 def closed_error() -> SageError:
@@ -270,10 +290,6 @@ class Scheduler(Protocol):
     ) -> None: ...
 
     async def assert_fence(self, lease: WorkerLease) -> None: ...
-
-    async def execute_fenced(
-        self, lease: WorkerLease, operation: Callable[[], Awaitable[T]]
-    ) -> T: ...
 
     async def cancel(self, work_id: str) -> bool: ...
 
@@ -391,7 +407,7 @@ class _Entry:
 class RunPins:
     """Per-run write pins: one holder per run, later takers queue FIFO behind it.
 
-    Both schedulers use it for ``execute_fenced``, ``release`` and ``cancel``. ``release``
+    The in-memory scheduler uses it for ``execute_fenced``, ``release`` and ``cancel``. ``release``
     is synchronous on purpose: a cancelled caller cannot be interrupted half-way, so
     repeated cancellation never leaves a run pinned, and the uncontended path
     (``try_acquire``) creates no future and no task. ``on_free(run_id)`` runs when a run's

@@ -139,9 +139,7 @@ def parse_datetime(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value)
 
 
-def event_json(
-    *, seq: int, type: str, run_id: Any, created_at: datetime, data: str
-) -> bytes:
+def event_json(*, seq: int, type: str, run_id: Any, created_at: datetime, data: str) -> bytes:
     """The API/stream shape of one event, embedding the stored text without re-encoding."""
     return orjson.dumps(
         {
@@ -221,28 +219,31 @@ def _export_segments(chain: list[Session], db: str) -> list[tuple[Session, int |
 
 
 def _run_line(run: Run, included: set[Any]) -> bytes:
-    return orjson.dumps(
-        {
-            "record": "run",
-            "id": str(run.id),
-            "session": str(run.session_id),
-            "parent": _id(run.parent_id) if run.parent_id in included else None,
-            "queue": run.queue,
-            "priority": run.priority,
-            "status": run.status,
-            "input": run.input,
-            "result": run.result,
-            "error": run.error,
-            "interaction": run.interaction,
-            "cancel_requested": run.cancel_requested,
-            "attempts": run.attempts,
-            "created_at": format_datetime(run.created_at),
-            "started_at": format_datetime(run.started_at),
-            "finished_at": format_datetime(run.finished_at),
-        },
-        # PostgreSQL's jsonb reorders keys; sorting makes every backend export alike.
-        option=orjson.OPT_SORT_KEYS,
-    ) + b"\n"
+    return (
+        orjson.dumps(
+            {
+                "record": "run",
+                "id": str(run.id),
+                "session": str(run.session_id),
+                "parent": _id(run.parent_id) if run.parent_id in included else None,
+                "queue": run.queue,
+                "priority": run.priority,
+                "status": run.status,
+                "input": run.input,
+                "result": run.result,
+                "error": run.error,
+                "interaction": run.interaction,
+                "cancel_requested": run.cancel_requested,
+                "attempts": run.attempts,
+                "created_at": format_datetime(run.created_at),
+                "started_at": format_datetime(run.started_at),
+                "finished_at": format_datetime(run.finished_at),
+            },
+            # PostgreSQL's jsonb reorders keys; sorting makes every backend export alike.
+            option=orjson.OPT_SORT_KEYS,
+        )
+        + b"\n"
+    )
 
 
 def export_session_lines(
@@ -288,7 +289,8 @@ def export_session_lines(
         )
     chain_ids = {s.pk for s in chain}
     runs = list(
-        Run.objects.using(db).filter(pk__in=run_ids, session_id__in=chain_ids)
+        Run.objects.using(db)
+        .filter(pk__in=run_ids, session_id__in=chain_ids)
         .order_by("created_at", "id")
     )
     included = {r.id for r in runs}
@@ -296,20 +298,25 @@ def export_session_lines(
         yield _run_line(run, included)
     for s, limit in limits:
         sid = str(s.pk)
-        for seq, etype, run_id, created_at, data in rows(s, limit).values_list(
-            "seq", "type", "run_id", "created_at", "data"
-        ).iterator(chunk_size=chunk_size):
-            yield orjson.dumps(
-                {
-                    "record": "event",
-                    "session": sid,
-                    "seq": seq,
-                    "type": etype,
-                    "run": str(run_id) if run_id in included else None,
-                    "created_at": format_datetime(created_at),
-                    "payload": orjson.Fragment(data),
-                }
-            ) + b"\n"
+        for seq, etype, run_id, created_at, data in (
+            rows(s, limit)
+            .values_list("seq", "type", "run_id", "created_at", "data")
+            .iterator(chunk_size=chunk_size)
+        ):
+            yield (
+                orjson.dumps(
+                    {
+                        "record": "event",
+                        "session": sid,
+                        "seq": seq,
+                        "type": etype,
+                        "run": str(run_id) if run_id in included else None,
+                        "created_at": format_datetime(created_at),
+                        "payload": orjson.Fragment(data),
+                    }
+                )
+                + b"\n"
+            )
 
 
 # ---------------------------------------------------------------------------------------
@@ -334,7 +341,7 @@ def _raw_payload(raw: bytes | str, parsed: Any) -> str:
     end = line.rstrip().rfind(b"}")
     if start < 0 or end <= start:
         return orjson.dumps(parsed).decode()
-    return line[start + len(_PAYLOAD_KEY):end].decode()
+    return line[start + len(_PAYLOAD_KEY) : end].decode()
 
 
 def _resolve_owner(username: str, *, db: str, create: bool, override: Any) -> Any:
@@ -399,13 +406,20 @@ def import_session_lines(
             if fork_of is not None and not Session.objects.using(using).filter(pk=fork_of).exists():
                 fork_of = None
             Session.objects.using(using).create(
-                id=meta["id"], owner=user, package_ref=meta["package_ref"],
-                package_name=meta["package_name"], agent_id=meta["agent_id"], kind=meta["kind"],
-                fork_of_id=fork_of, fork_seq=meta["fork_seq"], title=meta["title"],
+                id=meta["id"],
+                owner=user,
+                package_ref=meta["package_ref"],
+                package_name=meta["package_name"],
+                agent_id=meta["agent_id"],
+                kind=meta["kind"],
+                fork_of_id=fork_of,
+                fork_seq=meta["fork_seq"],
+                title=meta["title"],
             )
             created.add(meta["id"])
         session_owner: dict[str, Any] = dict(
-            Session.objects.using(using).filter(pk__in=[m["id"] for m in metas])
+            Session.objects.using(using)
+            .filter(pk__in=[m["id"] for m in metas])
             .values_list("id", "owner_id")
         )
         session_owner = {str(k): v for k, v in session_owner.items()}
@@ -424,12 +438,19 @@ def import_session_lines(
                 if Run.objects.using(using).filter(pk=line["id"]).exists():
                     continue
                 Run.objects.using(using).create(
-                    id=line["id"], session_id=line["session"],
-                    owner_id=session_owner[line["session"]], queue=line["queue"],
-                    priority=line["priority"], status=line["status"], input=line["input"],
-                    result=line["result"], error=line["error"],
-                    interaction=line["interaction"], cancel_requested=line["cancel_requested"],
-                    attempts=line["attempts"], created_at=parse_datetime(line["created_at"]),
+                    id=line["id"],
+                    session_id=line["session"],
+                    owner_id=session_owner[line["session"]],
+                    queue=line["queue"],
+                    priority=line["priority"],
+                    status=line["status"],
+                    input=line["input"],
+                    result=line["result"],
+                    error=line["error"],
+                    interaction=line["interaction"],
+                    cancel_requested=line["cancel_requested"],
+                    attempts=line["attempts"],
+                    created_at=parse_datetime(line["created_at"]),
                     started_at=parse_datetime(line["started_at"]),
                     finished_at=parse_datetime(line["finished_at"]),
                 )
@@ -443,7 +464,10 @@ def import_session_lines(
                     continue
                 pending.append(
                     Event(
-                        session_id=sid, seq=line["seq"], run_id=line["run"], type=line["type"],
+                        session_id=sid,
+                        seq=line["seq"],
+                        run_id=line["run"],
+                        type=line["type"],
                         data=_raw_payload(raw, line["payload"]),
                         created_at=parse_datetime(line["created_at"]),
                     )

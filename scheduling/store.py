@@ -46,7 +46,10 @@ from sageproject.errors import (
     UnavailableError,
     ValidationError,
 )
+from scheduling.faults import crash_point
 from scheduling.models import Event, Run, RunStatus, Session
+from scheduling.runs import Fence, check_fence, db_now
+from scheduling.scheduler import FenceRejected
 from scheduling.serialization import (
     SessionEvent,
     encode_payload,
@@ -84,15 +87,6 @@ REWRITE_BATCH_SIZE = 2000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Fence:
-    """What a write must still hold: the run's current lease owner and token."""
-
-    run_id: Any
-    lease_owner: str
-    lease_token: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class EventDraft:
     """An event to append: its type and its (not yet serialized) payload."""
 
@@ -126,12 +120,8 @@ class CommitResult:
     replaced: bool
 
 
-def fence_rejected(run_id: Any) -> ConflictError:
-    return ConflictError(
-        "scheduler.fence_rejected",
-        f"run {run_id} is no longer leased by this worker; the write was rejected",
-        resumable=True,
-    )
+def fence_rejected(run_id: Any) -> FenceRejected:
+    return FenceRejected(run_id)
 
 
 def worker_lease_required(run_id: Any) -> SageError:
@@ -152,26 +142,6 @@ def session_conflict(session_id: Any) -> ConflictError:
 
 def store_closed() -> UnavailableError:
     return UnavailableError("store.closed", "the session store is closed")
-
-
-def check_fence(fence: Fence, *, using: str = DEFAULT_DB_ALIAS) -> None:
-    """Conditional UPDATE of the run row inside the caller's transaction.
-
-    Raises ``scheduler.fence_rejected`` when no row matches: the run's lease has moved on
-    (another owner, a newer token, or the run is no longer running).
-    """
-    touched = (
-        Run.objects.using(using)
-        .filter(
-            pk=fence.run_id,
-            lease_owner=fence.lease_owner,
-            lease_token=fence.lease_token,
-            status=RunStatus.RUNNING,
-        )
-        .update(updated_at=timezone.now())
-    )
-    if touched != 1:
-        raise fence_rejected(fence.run_id)
 
 
 def session_key(session_id: Any) -> str:
@@ -240,7 +210,17 @@ class _Call(_Request):
 
 
 class _Commit(_Request):
-    __slots__ = ("delete_runs", "expected", "fence", "replace", "rows", "session_id", "total")
+    __slots__ = (
+        "delete_runs",
+        "expected",
+        "fence",
+        "replace",
+        "rewritten",
+        "rows",
+        "session_id",
+        "total",
+        "transition",
+    )
 
     def __init__(
         self,
@@ -252,8 +232,13 @@ class _Commit(_Request):
         delete_runs: tuple[Any, ...],
         expected: int,
         total: int,
+        transition: Transition | None = None,
     ) -> None:
         super().__init__()
+        self.transition = transition
+        # Set by a transition that rewrote the session's rows (a rollback): the caller's
+        # in-memory copy is then stale.
+        self.rewritten = False
         self.session_id = session_id
         self.fence = fence
         self.replace = replace
@@ -264,6 +249,11 @@ class _Commit(_Request):
 
 
 _STOP = object()
+
+# A run transition applied in a commit's transaction after its events (see
+# ``scheduling.runs``: ``Start``, ``Suspend``, ``Finish``); called with the writer's database
+# alias; a true return means it rewrote the session's event rows.
+Transition = Callable[[str], Any]
 
 
 def _set_prefixes(using: str, totals: list[tuple[str, int]]) -> int:
@@ -412,9 +402,14 @@ class _Writer(threading.Thread):
         self, commits: list[_Commit], apply: Callable[[list[_Commit]], list[BaseException | None]]
     ) -> list[BaseException | None]:
         """One transaction around ``apply``; a failure of the transaction fails them all."""
+        points = sorted({_point(commit) for commit in commits})
         try:
             with transaction.atomic(using=self.using):
                 outcomes = apply(commits)
+                for point in points:
+                    crash_point(f"{point}.before_commit")
+            for point in points:
+                crash_point(f"{point}.after_commit")
         except _BatchFailed:
             raise
         except Exception as exc:
@@ -465,18 +460,23 @@ class _Writer(threading.Thread):
         fenced = [(i, c.fence) for i, c in enumerate(commits) if c.fence is not None]
         if fenced:
             leases = {
-                str(run_id): (owner, token, status)
-                for run_id, owner, token, status in Run.objects.using(using)
+                str(run_id): (owner, token, status, expires)
+                for run_id, owner, token, status, expires in Run.objects.using(using)
                 .select_for_update()
                 .filter(pk__in=[_uuid_or_none(f.run_id) for _, f in fenced])
                 .order_by("pk")
-                .values_list("id", "lease_owner", "lease_token", "status")
+                .values_list("id", "lease_owner", "lease_token", "status", "lease_expires_at")
             }
+            now = db_now(using)
             for i, fence in fenced:
-                if leases.get(str(_uuid_or_none(fence.run_id))) != (
-                    fence.lease_owner,
-                    fence.lease_token,
-                    RunStatus.RUNNING,
+                owner, token, status, expires = leases.get(
+                    str(_uuid_or_none(fence.run_id)), (None, None, None, None)
+                )
+                if (
+                    (owner, token, status)
+                    != (fence.lease_owner, fence.lease_token, RunStatus.RUNNING)
+                    or expires is None
+                    or expires <= now
                 ):
                     outcomes[i] = fence_rejected(fence.run_id)
         live = [i for i, outcome in enumerate(outcomes) if outcome is None]
@@ -522,6 +522,9 @@ class _Writer(threading.Thread):
             )
             if touched != len(live):
                 raise session_conflict("(batch)")
+            for i in live:
+                if commits[i].transition is not None:
+                    commits[i].rewritten = bool(commits[i].transition(using))
         except Exception as exc:
             raise _BatchFailed from exc
         return outcomes
@@ -560,6 +563,13 @@ class _Writer(threading.Thread):
         )
         if touched != 1:
             raise session_conflict(commit.session_id)
+        if commit.transition is not None:
+            commit.rewritten = bool(commit.transition(using))
+
+
+def _point(commit: _Commit) -> str:
+    """The crash-point prefix of a commit: its transition's kind, else ``append``."""
+    return getattr(commit.transition, "point", "append")
 
 
 def _translate(exc: BaseException, session_id: str | None) -> BaseException:
@@ -784,8 +794,10 @@ class SessionStoreCoordinator:
         restore: Callable[[], None],
         seqs: tuple[int, ...] = (),
         delete_runs: tuple[Any, ...] = (),
+        transition: Transition | None = None,
     ) -> CommitResult:
-        """Write what changed in ``state``; undo the in-memory change if that fails."""
+        """Write what changed in ``state`` (and apply ``transition`` in the same
+        transaction); undo the in-memory change if that fails."""
         replace = state.clean < state.persisted
         try:
             rows = dump_events(state.history, None if replace else state.persisted)
@@ -793,7 +805,7 @@ class SessionStoreCoordinator:
             restore()
             raise
         total = len(state.history)
-        if not rows and not replace and not delete_runs:
+        if not rows and not replace and not delete_runs and transition is None:
             # Nothing new: not one statement.
             return CommitResult(
                 session_id=state.key,
@@ -810,6 +822,7 @@ class SessionStoreCoordinator:
             delete_runs=delete_runs,
             expected=state.persisted,
             total=total,
+            transition=transition,
         )
         try:
             self._writer_for(state.key).submit(request)
@@ -828,6 +841,9 @@ class SessionStoreCoordinator:
         # Only now, after the transaction committed, does the durable prefix advance.
         state.persisted = total
         state.clean = total
+        if request.rewritten:
+            # The transition rewrote the session's rows: reload on next use.
+            self._states.pop(state.key, None)
         result = CommitResult(
             session_id=state.key,
             seqs=seqs,
@@ -846,6 +862,7 @@ class SessionStoreCoordinator:
         run_id: Any,
         drafts: Sequence[EventDraft | tuple[str, Any]],
         fence: Fence | None,
+        transition: Transition | None = None,
     ) -> CommitResult:
         state = await self._open_locked(key)
         history = state.history
@@ -871,6 +888,7 @@ class SessionStoreCoordinator:
             fence=fence,
             restore=restore,
             seqs=tuple(range(before + 1, len(history) + 1)),
+            transition=transition,
         )
 
     async def commit(
@@ -880,8 +898,12 @@ class SessionStoreCoordinator:
         run_id: Any = None,
         drafts: Sequence[EventDraft | tuple[str, Any]] = (),
         fence: Fence | None = None,
+        transition: Transition | None = None,
     ) -> CommitResult:
         """Append ``drafts`` (seqs continue the session's) and make them durable.
+
+        ``transition`` (a run state change of ``scheduling.runs``) is applied in the same
+        transaction, after the events: both commit or neither does.
 
         Only events after the persisted prefix are serialized and inserted; with nothing
         new no statement runs. Returns once the transaction has committed. Raises
@@ -891,7 +913,9 @@ class SessionStoreCoordinator:
         in-memory history is as it was before the call.
         """
         async with self.locked(session_id) as (key,):
-            return await self._commit_locked(key, run_id=run_id, drafts=drafts, fence=fence)
+            return await self._commit_locked(
+                key, run_id=run_id, drafts=drafts, fence=fence, transition=transition
+            )
 
     async def commit_many(self, specs: Sequence[CommitSpec]) -> list[CommitResult]:
         """Commit several sessions at once, their locks taken in sorted order.
@@ -1141,22 +1165,51 @@ async def close_default_coordinator() -> None:
         await coordinator.close()
 
 
+# A retryable storage failure (the database restarting, a dropped connection) is retried
+# with this backoff until the write lands or the fence rejects it: a run whose lease ran out
+# meanwhile is reclaimed and requeued, never failed by the outage.
+RETRY_START, RETRY_MAX = 0.05, 2.0
+
+
 async def append_events(
-    *, session_id: Any, run_id: Any, events: Sequence[tuple[str, Any]], fence: Fence | None = None
+    *,
+    session_id: Any,
+    run_id: Any,
+    events: Sequence[tuple[str, Any]],
+    fence: Fence | None = None,
+    transition: Transition | None = None,
 ) -> list[int]:
-    """Commit ``events`` after the session's persisted prefix, fenced by ``fence``.
+    """Commit ``events`` after the session's persisted prefix, fenced by ``fence``, with
+    ``transition`` (a run state change) in the same transaction.
 
     Returns the seqs written. Raises ``scheduler.fence_rejected`` (and writes nothing)
-    when the run's lease has moved on. Goes through the process default coordinator.
+    when the run's lease has moved on. ``store.write_failed`` and a session moved on by
+    someone else are retried (the history is reloaded first). Goes through the process
+    default coordinator.
     """
-    if not events:
+    if not events and transition is None:
         return []
-    coordinator = get_default_coordinator()
-    try:
-        result = await coordinator.commit(session_id, run_id=run_id, drafts=events, fence=fence)
-    except ConflictError as exc:
-        if exc.code != "store.session_conflict":
-            raise
-        # Someone else appended (the coordinator dropped its copy): reload and retry once.
-        result = await coordinator.commit(session_id, run_id=run_id, drafts=events, fence=fence)
-    return list(result.seqs)
+    delay = RETRY_START
+    while True:
+        coordinator = get_default_coordinator()
+        try:
+            result = await coordinator.commit(
+                session_id, run_id=run_id, drafts=events, fence=fence, transition=transition
+            )
+        except SageError as exc:
+            if exc.code == "store.session_conflict":
+                # Someone else appended (the coordinator dropped its copy): reload, retry.
+                pass
+            elif exc.code == "store.write_failed":
+                logger.warning(
+                    "store: writing run %s's events failed (%s); retrying in %.2fs",
+                    run_id,
+                    exc.__cause__ or exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX)
+            else:
+                raise
+            continue
+        return list(result.seqs)

@@ -7,8 +7,12 @@ that supervises executions (lease renewal, cancellation, shutdown), a snapshot p
 (`WorkerSnapshot`), and the executor named by ``settings.SAGE_RUN_EXECUTOR``.
 
 Start-up recovery: a run found ``running`` with no live lease (its worker died) is requeued
-(the next claim is attempt + 1) or, once it used ``SAGE_MAX_RUN_ATTEMPTS`` claims, failed
-with ``execution.worker_restarted`` and archived.
+with one more crash counted or, once its worker died ``SAGE_MAX_RUN_ATTEMPTS`` times, failed
+with ``execution.worker_restarted`` (its ``run.failed`` event and archive in the same
+transaction); a dead run whose cancel was requested ends ``cancelled``.
+
+A worker whose claim loop stopped on a permanent error says so in its snapshot and its log,
+then stops (exit status 1), so a supervisor restarts it rather than leaving a silent worker.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from django.utils.module_loading import import_string
 
 from sageproject.db import db_call
 from scheduling.db_scheduler import DatabaseScheduler
-from scheduling.dispatcher import Dispatcher, Execution, archive_run
+from scheduling.dispatcher import Dispatcher, Execution
 from scheduling.models import Run, RunStatus, WorkerSnapshot
 from scheduling.scheduler import SchedulerQuotaGroup
 from scheduling.store import close_default_coordinator
@@ -93,7 +97,6 @@ class Worker:
             quota_group=self.quota,
             max_pending_items=self.max_pending,
             max_attempts=self.max_attempts,
-            on_failed=archive_run,
         )
         self.dispatcher = Dispatcher(
             self.scheduler,
@@ -103,12 +106,15 @@ class Worker:
             max_concurrent_runs_per_user=self.max_per_user,
             lease_seconds=float(self.lease_seconds),
             cancel_poll_seconds=cancel_poll_seconds,
+            on_permanent_error=self._claiming_stopped,
         )
         # Renewal runs every third of the lease, never less often than the heartbeat.
         self.dispatcher.renew_interval = max(
             min(float(self.lease_seconds) / 3, float(self.heartbeat_seconds)), 0.05
         )
         self.recovered = 0
+        # Set when claiming stopped for good: the process should exit non-zero.
+        self.failed: str | None = None
         self._figures: dict[str, Any] = {"per_user": {}, "per_queue": {}}
         self._stopping = asyncio.Event()
 
@@ -123,6 +129,11 @@ class Worker:
         return self.dispatcher.completed
 
     # --- lifecycle -------------------------------------------------------------
+
+    def _claiming_stopped(self, error: str) -> None:
+        logger.error("worker %s stops: claiming failed permanently (%s)", self.worker_id, error)
+        self.failed = error
+        self._stopping.set()
 
     def request_stop(self) -> None:
         """Stop claiming; running runs get the grace period (signal-handler safe)."""

@@ -485,7 +485,140 @@ class SchedulerContract:
         assert done == total
         assert peak == {"alice": 2, "bob": 2, "carol": 2}
 
-    # ------------------------------------------------------------------ fenced execution
+    # ------------------------------------------------------------------ quota groups
+
+    async def test_it_shares_the_active_limit_across_group_members(
+        self, make_scheduler, make_work, clock
+    ):
+        group = SchedulerQuotaGroup(2, 2, 100)
+        chat = make_scheduler(clock=clock, quota_group=group)
+        managed = make_scheduler(clock=clock, quota_group=group)
+        await chat.submit(make_work("c1", tenant_id="alice"))
+        await chat.submit(make_work("c2", tenant_id="bob"))
+        await managed.submit(make_work("m1", tenant_id="carol"))
+        assert await chat.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
+        assert await chat.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
+        assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is None
+
+    async def test_it_shares_the_tenant_limit_across_group_members(
+        self, make_scheduler, make_work, clock
+    ):
+        group = SchedulerQuotaGroup(8, 1, 100)
+        chat = make_scheduler(clock=clock, quota_group=group)
+        managed = make_scheduler(clock=clock, quota_group=group)
+        await chat.submit(make_work("c1", tenant_id="alice"))
+        await managed.submit(make_work("m1", tenant_id="alice"))
+        await managed.submit(make_work("m2", tenant_id="bob"))
+        await chat.claim("w", lease_duration=LEASE, wait_timeout=0)
+        lease = await managed.claim("w", lease_duration=LEASE, wait_timeout=0)
+        assert lease.work.work_id == "m2"
+        assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is None
+
+    async def test_it_shares_the_pending_limit_across_group_members(
+        self, make_scheduler, make_work, clock
+    ):
+        group = SchedulerQuotaGroup(8, 2, 2)
+        chat = make_scheduler(clock=clock, quota_group=group)
+        managed = make_scheduler(clock=clock, quota_group=group)
+        await chat.submit(make_work("c1"))
+        await managed.submit(make_work("m1"))
+        with pytest.raises(SageError) as info:
+            await chat.submit(make_work("c2"))
+        assert info.value.code == "scheduler.queue_full"
+        assert "queue is full" in info.value.message
+
+    async def test_it_wakes_a_waiting_member_when_another_member_releases(
+        self, make_scheduler, make_work, clock
+    ):
+        group = SchedulerQuotaGroup(1, 1, 100)
+        chat = make_scheduler(clock=clock, quota_group=group)
+        managed = make_scheduler(clock=clock, quota_group=group)
+        await chat.submit(make_work("c1", tenant_id="alice"))
+        await managed.submit(make_work("m1", tenant_id="bob"))
+        held = await chat.claim("w", lease_duration=LEASE, wait_timeout=0)
+        waiter = asyncio.create_task(managed.claim("w", lease_duration=LEASE, wait_timeout=BOUND))
+        await spin()
+        assert not waiter.done()
+        await chat.release(held, LeaseReleaseReason.COMPLETED)
+        lease = await within(waiter)
+        assert lease.work.work_id == "m1"
+
+    async def test_it_leaks_no_group_capacity_to_a_cancelled_waiter(
+        self, make_scheduler, make_work, clock
+    ):
+        group = SchedulerQuotaGroup(1, 1, 100)
+        chat = make_scheduler(clock=clock, quota_group=group)
+        managed = make_scheduler(clock=clock, quota_group=group)
+        waiter = asyncio.create_task(chat.claim("w", lease_duration=LEASE, wait_timeout=BOUND))
+        await spin()
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await managed.submit(make_work("m1"))
+        assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
+
+    async def test_it_returns_the_capacity_of_a_closed_member(
+        self, make_scheduler, make_work, clock
+    ):
+        group = SchedulerQuotaGroup(1, 1, 1)
+        chat = make_scheduler(clock=clock, quota_group=group)
+        managed = make_scheduler(clock=clock, quota_group=group)
+        await chat.submit(make_work("c1"))
+        await chat.claim("w", lease_duration=LEASE, wait_timeout=0)
+        await chat.close()
+        await managed.submit(make_work("m1"))
+        assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
+
+    async def test_it_never_exceeds_group_quotas_under_a_claim_storm(
+        self, make_scheduler, make_work
+    ):
+        group = SchedulerQuotaGroup(4, 2, 1000)
+        members = [make_scheduler(quota_group=group) for _ in range(2)]
+        # Three tenants for four slots: fair order gives one tenant a second slot, so both
+        # the total and the per-tenant limit are reached (and must hold).
+        tenants = ["alice", "bob", "carol"]
+        total = 60
+        for i in range(total):
+            await members[i % 2].submit(make_work(f"w{i}", tenant_id=tenants[i % 3]))
+        active: dict[str, int] = {}
+        peak_total = 0
+        peak_tenant = 0
+        done = 0
+
+        async def worker(member: Any, name: str) -> None:
+            nonlocal done, peak_total, peak_tenant
+            while done < total:
+                lease = await member.claim(name, lease_duration=LEASE, wait_timeout=0.05)
+                if lease is None:
+                    continue
+                tenant = lease.work.tenant_id
+                active[tenant] = active.get(tenant, 0) + 1
+                peak_tenant = max(peak_tenant, active[tenant])
+                peak_total = max(peak_total, sum(active.values()))
+                await spin(3)
+                active[tenant] -= 1
+                done += 1
+                await member.release(lease, LeaseReleaseReason.COMPLETED)
+
+        await within(asyncio.gather(*(worker(members[i % 2], f"worker-{i}") for i in range(16))))
+        assert done == total
+        assert (peak_total, peak_tenant) == (4, 2)
+
+
+async def _noop() -> None:
+    return None
+
+
+def _returns[R](value: R) -> Callable[[], Awaitable[R]]:
+    async def op() -> R:
+        return value
+
+    return op
+
+
+class FencedExecutionContract:
+    """``execute_fenced`` of the in-memory scheduler (the database path fences each write
+    inside its own transaction instead: ``scheduling.runs.check_fence``)."""
 
     async def _lease(self, scheduler, make_work, name: str, **fields: Any) -> WorkerLease:
         await scheduler.submit(make_work(name, **fields))
@@ -709,133 +842,3 @@ class SchedulerContract:
         with pytest.raises(asyncio.CancelledError):
             await queued
         assert await within(scheduler.execute_fenced(lease, _returns("after"))) == "after"
-
-    # ------------------------------------------------------------------ quota groups
-
-    async def test_it_shares_the_active_limit_across_group_members(
-        self, make_scheduler, make_work, clock
-    ):
-        group = SchedulerQuotaGroup(2, 2, 100)
-        chat = make_scheduler(clock=clock, quota_group=group)
-        managed = make_scheduler(clock=clock, quota_group=group)
-        await chat.submit(make_work("c1", tenant_id="alice"))
-        await chat.submit(make_work("c2", tenant_id="bob"))
-        await managed.submit(make_work("m1", tenant_id="carol"))
-        assert await chat.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
-        assert await chat.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
-        assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is None
-
-    async def test_it_shares_the_tenant_limit_across_group_members(
-        self, make_scheduler, make_work, clock
-    ):
-        group = SchedulerQuotaGroup(8, 1, 100)
-        chat = make_scheduler(clock=clock, quota_group=group)
-        managed = make_scheduler(clock=clock, quota_group=group)
-        await chat.submit(make_work("c1", tenant_id="alice"))
-        await managed.submit(make_work("m1", tenant_id="alice"))
-        await managed.submit(make_work("m2", tenant_id="bob"))
-        await chat.claim("w", lease_duration=LEASE, wait_timeout=0)
-        lease = await managed.claim("w", lease_duration=LEASE, wait_timeout=0)
-        assert lease.work.work_id == "m2"
-        assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is None
-
-    async def test_it_shares_the_pending_limit_across_group_members(
-        self, make_scheduler, make_work, clock
-    ):
-        group = SchedulerQuotaGroup(8, 2, 2)
-        chat = make_scheduler(clock=clock, quota_group=group)
-        managed = make_scheduler(clock=clock, quota_group=group)
-        await chat.submit(make_work("c1"))
-        await managed.submit(make_work("m1"))
-        with pytest.raises(SageError) as info:
-            await chat.submit(make_work("c2"))
-        assert info.value.code == "scheduler.queue_full"
-        assert "queue is full" in info.value.message
-
-    async def test_it_wakes_a_waiting_member_when_another_member_releases(
-        self, make_scheduler, make_work, clock
-    ):
-        group = SchedulerQuotaGroup(1, 1, 100)
-        chat = make_scheduler(clock=clock, quota_group=group)
-        managed = make_scheduler(clock=clock, quota_group=group)
-        await chat.submit(make_work("c1", tenant_id="alice"))
-        await managed.submit(make_work("m1", tenant_id="bob"))
-        held = await chat.claim("w", lease_duration=LEASE, wait_timeout=0)
-        waiter = asyncio.create_task(managed.claim("w", lease_duration=LEASE, wait_timeout=BOUND))
-        await spin()
-        assert not waiter.done()
-        await chat.release(held, LeaseReleaseReason.COMPLETED)
-        lease = await within(waiter)
-        assert lease.work.work_id == "m1"
-
-    async def test_it_leaks_no_group_capacity_to_a_cancelled_waiter(
-        self, make_scheduler, make_work, clock
-    ):
-        group = SchedulerQuotaGroup(1, 1, 100)
-        chat = make_scheduler(clock=clock, quota_group=group)
-        managed = make_scheduler(clock=clock, quota_group=group)
-        waiter = asyncio.create_task(chat.claim("w", lease_duration=LEASE, wait_timeout=BOUND))
-        await spin()
-        waiter.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiter
-        await managed.submit(make_work("m1"))
-        assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
-
-    async def test_it_returns_the_capacity_of_a_closed_member(
-        self, make_scheduler, make_work, clock
-    ):
-        group = SchedulerQuotaGroup(1, 1, 1)
-        chat = make_scheduler(clock=clock, quota_group=group)
-        managed = make_scheduler(clock=clock, quota_group=group)
-        await chat.submit(make_work("c1"))
-        await chat.claim("w", lease_duration=LEASE, wait_timeout=0)
-        await chat.close()
-        await managed.submit(make_work("m1"))
-        assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
-
-    async def test_it_never_exceeds_group_quotas_under_a_claim_storm(
-        self, make_scheduler, make_work
-    ):
-        group = SchedulerQuotaGroup(4, 2, 1000)
-        members = [make_scheduler(quota_group=group) for _ in range(2)]
-        # Three tenants for four slots: fair order gives one tenant a second slot, so both
-        # the total and the per-tenant limit are reached (and must hold).
-        tenants = ["alice", "bob", "carol"]
-        total = 60
-        for i in range(total):
-            await members[i % 2].submit(make_work(f"w{i}", tenant_id=tenants[i % 3]))
-        active: dict[str, int] = {}
-        peak_total = 0
-        peak_tenant = 0
-        done = 0
-
-        async def worker(member: Any, name: str) -> None:
-            nonlocal done, peak_total, peak_tenant
-            while done < total:
-                lease = await member.claim(name, lease_duration=LEASE, wait_timeout=0.05)
-                if lease is None:
-                    continue
-                tenant = lease.work.tenant_id
-                active[tenant] = active.get(tenant, 0) + 1
-                peak_tenant = max(peak_tenant, active[tenant])
-                peak_total = max(peak_total, sum(active.values()))
-                await spin(3)
-                active[tenant] -= 1
-                done += 1
-                await member.release(lease, LeaseReleaseReason.COMPLETED)
-
-        await within(asyncio.gather(*(worker(members[i % 2], f"worker-{i}") for i in range(16))))
-        assert done == total
-        assert (peak_total, peak_tenant) == (4, 2)
-
-
-async def _noop() -> None:
-    return None
-
-
-def _returns[R](value: R) -> Callable[[], Awaitable[R]]:
-    async def op() -> R:
-        return value
-
-    return op

@@ -1,8 +1,9 @@
-"""The dispatcher path: DatabaseScheduler → Dispatcher → LeaseFencedSessionStore → coordinator.
+"""The dispatcher path: DatabaseScheduler → Dispatcher → fenced commits → coordinator.
 
-Executions here are a small fake executor that commits events through the dispatcher's
-fenced store and then finishes its run in a fenced transaction, so the scheduler, the
-quotas, the renewer, cancellation and shutdown are exercised without a model.
+Executions here are a small fake executor that commits events fenced by its lease and
+returns a completed `Outcome`, which the dispatcher commits (terminal event, status,
+archive), so the scheduler, the quotas, the renewer, cancellation and shutdown are
+exercised without a model.
 """
 
 from __future__ import annotations
@@ -12,16 +13,15 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.db import transaction
 from django.utils import timezone
 
-from agents.execution import StopSignal
 from sageproject.db import db_call
 from scheduling.db_scheduler import DatabaseScheduler
-from scheduling.dispatcher import Dispatcher, is_transient
+from scheduling.dispatcher import Dispatcher, StopSignal, is_transient
 from scheduling.models import Event, Run, RunStatus, Session
+from scheduling.runs import Fence, Outcome
 from scheduling.scheduler import SchedulerQuotaGroup
-from scheduling.store import Fence, check_fence, close_default_coordinator
+from scheduling.store import append_events, close_default_coordinator
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -49,16 +49,8 @@ def make_runs(users: int, per_user: int) -> dict[str, str]:
     return made
 
 
-def finish_sync(fence: Fence, status: str) -> None:
-    with transaction.atomic():
-        check_fence(fence)
-        Run.objects.filter(pk=fence.run_id).update(
-            status=status, lease_owner="", lease_expires_at=None, finished_at=timezone.now()
-        )
-
-
 class StoreExecutor:
-    """Commits ``writes`` events per run through ``dispatcher.store``, then completes it.
+    """Commits ``writes`` events per run fenced by its lease, then completes it.
 
     The first ``hold`` executions wait until that many are active at once, which proves
     the dispatcher filled every slot; ``peak``/``peak_per_user`` record the most seen.
@@ -87,7 +79,7 @@ class StoreExecutor:
     def capacity(self) -> dict[str, Any]:
         return {}
 
-    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> str:
+    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> Outcome:
         assert self.dispatcher is not None
         run_key = str(run_id)
         user = self.dispatcher.executions[run_key].tenant or ""
@@ -103,13 +95,17 @@ class StoreExecutor:
                 self.commits_in_flight += 1
                 self.peak_commits = max(self.peak_commits, self.commits_in_flight)
                 try:
-                    await self.dispatcher.store.commit(
-                        self.runs[run_key], run_id=run_key, drafts=[("note", {"i": i})]
+                    await append_events(
+                        session_id=self.runs[run_key],
+                        run_id=run_key,
+                        events=[("note", {"i": i})],
+                        fence=fence,
                     )
                 finally:
                     self.commits_in_flight -= 1
-            await db_call(finish_sync, fence, RunStatus.COMPLETED)
-            return RunStatus.COMPLETED
+            return Outcome(
+                status=RunStatus.COMPLETED, session_id=self.runs[run_key], result={"text": "ok"}
+            )
         finally:
             self.active[user] -= 1
             self.finished += 1
@@ -168,8 +164,7 @@ async def test_it_runs_64_runs_of_8_users_in_16_slots_two_per_user(runs_8x8):
     )
     assert statuses == {RunStatus.COMPLETED}
     seqs = await db_call(seqs_by_session, list(runs_8x8.values()))
-    assert all(s == [1, 2, 3] for s in seqs.values())
-    assert scheduler.pinned_runs() == frozenset()
+    assert all(s == [1, 2, 3, 4] for s in seqs.values())  # three notes and run.completed
     assert scheduler.leases() == ()
     assert dispatcher.executions == {}
 
@@ -182,7 +177,7 @@ class BlockingExecutor(StoreExecutor):
         self.started = asyncio.Event()
         self.reasons: list[str | None] = []
 
-    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> str:
+    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> Outcome:
         self.started.set()
         try:
             await asyncio.Event().wait()
@@ -310,11 +305,13 @@ async def test_it_stops_claiming_and_reports_a_permanent_error(one_run):
 
 
 def test_it_classifies_claim_errors():
-    from django.db import OperationalError, ProgrammingError
+    from django.db import InternalError, OperationalError, ProgrammingError
 
     from sageproject.errors import RateLimitedError
 
     assert is_transient(OperationalError("gone"))
+    # PostgreSQL ending a session idle in its transaction (a frozen worker) is class 25.
+    assert is_transient(InternalError("terminating connection due to idle-in-transaction"))
     assert is_transient(ConnectionResetError())
     assert is_transient(RateLimitedError("scheduler.queue_full", "full"))
     assert not is_transient(ProgrammingError("no such table"))
@@ -366,7 +363,8 @@ async def test_it_fails_a_run_out_of_attempts_at_start_up(db, alice, make_sessio
         status=RunStatus.RUNNING,
         lease_owner="dead",
         lease_token=1,
-        attempts=3,
+        attempts=9,
+        crashes=2,
         lease_expires_at=timezone.now() - timezone.timedelta(seconds=1),
     )
     executor = BlockingExecutor({})
@@ -379,3 +377,9 @@ async def test_it_fails_a_run_out_of_attempts_at_start_up(db, alice, make_sessio
     assert (run.status, run.error["code"]) == (RunStatus.FAILED, "execution.worker_restarted")
     record = await ManagedAgentRecord.objects.aget(run_id=run.pk)
     assert record.status == RunStatus.FAILED
+    # Its end is an event too, so a stream client learns it.
+    event = await Event.objects.aget(run_id=run.pk)
+    assert (event.type, event.payload["error"]["code"]) == (
+        "run.failed",
+        "execution.worker_restarted",
+    )

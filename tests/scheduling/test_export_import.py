@@ -28,21 +28,34 @@ T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 
 def _session(owner: Any, *, using: str = "default", **fields: Any) -> Session:
     session = Session.objects.using(using).create(
-        owner=owner, package_ref="c0ffee", package_name="demo", agent_id="assistant",
-        title="a title", **fields,
+        owner=owner,
+        package_ref="c0ffee",
+        package_name="demo",
+        agent_id="assistant",
+        title="a title",
+        **fields,
     )
     Session.objects.using(using).filter(pk=session.pk).update(created_at=T0)
     session.refresh_from_db(using=using)
     return session
 
 
-def _events(session: Session, payloads: list[Any], *, run: Run | None = None,
-            using: str = "default") -> None:
-    Event.objects.using(using).bulk_create([
-        Event(session=session, seq=i, run=run, type="message",
-              data=orjson.dumps(p).decode(), created_at=T0 + timedelta(seconds=i))
-        for i, p in enumerate(payloads, start=1)
-    ])
+def _events(
+    session: Session, payloads: list[Any], *, run: Run | None = None, using: str = "default"
+) -> None:
+    Event.objects.using(using).bulk_create(
+        [
+            Event(
+                session=session,
+                seq=i,
+                run=run,
+                type="message",
+                data=orjson.dumps(p).decode(),
+                created_at=T0 + timedelta(seconds=i),
+            )
+            for i, p in enumerate(payloads, start=1)
+        ]
+    )
     Session.objects.using(using).filter(pk=session.pk).update(persisted_events=len(payloads))
 
 
@@ -54,15 +67,26 @@ def _build_fork(owner: Any, using: str = "default") -> tuple[Session, Session]:
     """A master with 4 events (the first two by a run) and a fork of it at seq 2 with 2 own."""
     master = _session(owner, using=using)
     run = Run.objects.using(using).create(
-        session=master, owner=owner, status=RunStatus.COMPLETED, input="hello",
-        result={"b": 1, "a": [1.5, "é"]}, created_at=T0,
+        session=master,
+        owner=owner,
+        status=RunStatus.COMPLETED,
+        input="hello",
+        result={"b": 1, "a": [1.5, "é"]},
+        created_at=T0,
     )
-    Event.objects.using(using).bulk_create([
-        Event(session=master, seq=i, run=run if i <= 2 else None, type=f"t{i}",
-              data=orjson.dumps({"n": i, "text": "ünïcødé ✓", "f": 0.25}).decode(),
-              created_at=T0 + timedelta(seconds=i))
-        for i in range(1, 5)
-    ])
+    Event.objects.using(using).bulk_create(
+        [
+            Event(
+                session=master,
+                seq=i,
+                run=run if i <= 2 else None,
+                type=f"t{i}",
+                data=orjson.dumps({"n": i, "text": "ünïcødé ✓", "f": 0.25}).decode(),
+                created_at=T0 + timedelta(seconds=i),
+            )
+            for i in range(1, 5)
+        ]
+    )
     Session.objects.using(using).filter(pk=master.pk).update(persisted_events=4)
     fork = _session(owner, using=using, kind=SessionKind.FORK, fork_of=master, fork_seq=2)
     _events(fork, [{"own": 1}, {"own": 2, "nested": {"z": None, "a": True}}], using=using)
@@ -81,9 +105,16 @@ def test_it_starts_the_export_with_a_header_holding_the_session_metadata(alice):
     assert header["record"] == "header"
     assert header["format"] == "sage.session-export/v1"
     assert header["session"] == {
-        "id": str(session.id), "owner": "alice", "package_ref": "c0ffee",
-        "package_name": "demo", "agent_id": "assistant", "kind": "master", "fork_of": None,
-        "fork_seq": None, "title": "a title", "created_at": "2026-03-01T12:00:00.123456+00:00",
+        "id": str(session.id),
+        "owner": "alice",
+        "package_ref": "c0ffee",
+        "package_name": "demo",
+        "agent_id": "assistant",
+        "kind": "master",
+        "fork_of": None,
+        "fork_seq": None,
+        "title": "a title",
+        "created_at": "2026-03-01T12:00:00.123456+00:00",
     }
 
 
@@ -104,8 +135,12 @@ def test_it_exports_a_forks_base_events_first(alice):
     lines = _export(fork)
     events = [(e["session"], e["seq"]) for e in lines if e["record"] == "event"]
 
-    assert events == [(str(master.id), 1), (str(master.id), 2), (str(fork.id), 1),
-                      (str(fork.id), 2)]
+    assert events == [
+        (str(master.id), 1),
+        (str(master.id), 2),
+        (str(fork.id), 1),
+        (str(fork.id), 2),
+    ]
     assert [b["id"] for b in lines[0]["bases"]] == [str(master.id)]
     assert lines[0]["bases"][0]["through_seq"] == 2
 
@@ -231,13 +266,15 @@ def round_trip_databases(django_db_blocker, tmp_path) -> Iterator[list[str]]:
         if _server_up("PostgreSQL", "127.0.0.1", 5432):
             import psycopg
 
-            with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres",
-                                 autocommit=True) as admin:
+            with psycopg.connect(
+                "postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True
+            ) as admin:
                 admin.execute(f'CREATE DATABASE "{name}"')
 
             def drop_pg() -> None:
-                with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres",
-                                     autocommit=True) as admin:
+                with psycopg.connect(
+                    "postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True
+                ) as admin:
                     admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
             drops.append(drop_pg)
@@ -280,8 +317,9 @@ def test_it_round_trips_a_fork_from_sqlite_through_postgresql_to_mysql(
         first = b"".join(export_session_lines(fork, using=source))
         exports = [first]
         for target in round_trip_databases[1:]:
-            imported = import_session_lines(io.BytesIO(exports[-1]), using=target,
-                                            create_owner=True)
+            imported = import_session_lines(
+                io.BytesIO(exports[-1]), using=target, create_owner=True
+            )
             exports.append(b"".join(export_session_lines(imported, using=target)))
 
     assert len(exports) == len(round_trip_databases)

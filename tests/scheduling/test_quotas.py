@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 from django.db.models import Count
 
-from agents.execution import StopSignal
 from sageproject.db import db_call
 from scheduling.db_scheduler import DatabaseScheduler
-from scheduling.dispatcher import Dispatcher
+from scheduling.dispatcher import Dispatcher, StopSignal
 from scheduling.models import Run, RunStatus
+from scheduling.runs import Fence, Outcome
 from scheduling.scheduler import SchedulerQuotaGroup
-from scheduling.store import Fence, close_default_coordinator
-from tests.scheduling.test_dispatcher import finish_sync, make_runs, seqs_by_session
+from scheduling.store import append_events, close_default_coordinator
+from tests.scheduling.test_dispatcher import make_runs, seqs_by_session
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -58,16 +58,17 @@ class SharedExecutor:
     def capacity(self) -> dict[str, Any]:
         return {}
 
-    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> str:
-        store = self.dispatchers[fence.lease_owner].store
+    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> Outcome:
         run_key = str(run_id)
+        session_id = self.runs[run_key]
         try:
             # Hold the first wave until the sampler saw the limit reached.
             await asyncio.wait_for(self.seen_full.wait(), BOUND)
             for i in range(2):
-                await store.commit(self.runs[run_key], run_id=run_key, drafts=[("note", {"i": i})])
-            await db_call(finish_sync, fence, RunStatus.COMPLETED)
-            return RunStatus.COMPLETED
+                await append_events(
+                    session_id=session_id, run_id=run_key, events=[("note", {"i": i})], fence=fence
+                )
+            return Outcome(status=RunStatus.COMPLETED, session_id=session_id, result={"n": 2})
         finally:
             self.finished += 1
             if self.finished == len(self.runs):
@@ -127,4 +128,4 @@ async def test_it_never_exceeds_the_limits_while_200_runs_of_10_users_execute(ru
     )
     assert statuses == {RunStatus.COMPLETED}
     seqs = await db_call(seqs_by_session, list(runs_10x20.values()))
-    assert all(s == [1, 2] for s in seqs.values())
+    assert all(s == [1, 2, 3] for s in seqs.values())  # two notes and run.completed

@@ -17,13 +17,17 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.db import close_old_connections
+from django.db import close_old_connections, transaction
 from django.utils import timezone
 
-from sageproject.errors import SageError
+from agents.models import ManagedAgentRecord
+from sageproject.db import db_call
+from scheduling import runs
 from scheduling.db_scheduler import DatabaseScheduler, lease_fence
 from scheduling.models import Event, FenceSequence, Run, RunQueue, RunStatus, Session
+from scheduling.runs import Fence
 from scheduling.scheduler import (
+    FenceRejected,
     LeaseReleaseReason,
     Scheduler,
     SchedulerClaimPolicy,
@@ -315,75 +319,108 @@ async def test_it_skips_runs_whose_cancellation_was_requested(rows: Rows):
     assert await _claim(DatabaseScheduler()) is None
 
 
-async def test_it_fails_runs_past_the_attempt_limit_when_reaping(rows: Rows):
-    failed: list[Any] = []
+async def test_it_fails_runs_whose_crash_budget_is_used_up_with_event_and_archive(rows: Rows):
+    dead = timezone.now() - timedelta(seconds=1)
+    # Many claims (suspensions, graceful restarts) but two crashes so far: the third ends it.
     rows.run(
         "a",
         "alice",
         status=RunStatus.RUNNING,
         lease_owner="dead",
         lease_token=1,
-        attempts=3,
-        lease_expires_at=timezone.now() - timedelta(seconds=1),
+        attempts=7,
+        crashes=2,
+        lease_expires_at=dead,
     )
+    # Seven claims, no crash yet: requeued.
     rows.run(
         "b",
         "bob",
         status=RunStatus.RUNNING,
         lease_owner="dead",
         lease_token=2,
-        attempts=1,
-        lease_expires_at=timezone.now() - timedelta(seconds=1),
+        attempts=7,
+        crashes=0,
+        lease_expires_at=dead,
     )
-    scheduler = DatabaseScheduler(max_attempts=3, on_failed=failed.append)
+    scheduler = DatabaseScheduler(max_attempts=3)
     assert await scheduler.reap_expired() == 2
     a = await Run.objects.aget(pk=rows.runs["a"])
     b = await Run.objects.aget(pk=rows.runs["b"])
-    assert (a.status, a.error["code"]) == (RunStatus.FAILED, "execution.worker_restarted")
-    assert [str(pk) for pk in failed] == [rows.runs["a"]]
-    assert (b.status, b.lease_owner, b.lease_token) == (RunStatus.QUEUED, "", None)
+    assert (a.status, a.error["code"], a.crashes) == (
+        RunStatus.FAILED,
+        "execution.worker_restarted",
+        3,
+    )
+    events = [e async for e in Event.objects.filter(run_id=a.pk)]
+    assert [e.type for e in events] == ["run.failed"]
+    assert events[0].payload["error"]["code"] == "execution.worker_restarted"
+    assert await ManagedAgentRecord.objects.filter(run_id=a.pk, status="failed").aexists()
+    assert (b.status, b.lease_owner, b.lease_token, b.crashes) == (RunStatus.QUEUED, "", None, 1)
+
+
+async def test_it_finishes_a_dead_run_whose_cancel_was_requested(rows: Rows):
+    run_id = rows.run(
+        "a",
+        "alice",
+        status=RunStatus.RUNNING,
+        lease_owner="dead",
+        lease_token=1,
+        cancel_requested=True,
+        stop_request="cancel",
+        lease_expires_at=timezone.now() - timedelta(seconds=1),
+    )
+    assert await DatabaseScheduler().reap_expired() == 1
+    run = await Run.objects.aget(pk=run_id)
+    assert (run.status, run.error["code"]) == (RunStatus.CANCELLED, "run.cancelled")
+    assert [e.type async for e in Event.objects.filter(run_id=run_id)] == ["run.cancelled"]
+    assert await ManagedAgentRecord.objects.filter(run_id=run_id, status="cancelled").aexists()
+
+
+def _write_fenced(fence: Fence, session_id: Any, run_id: str) -> None:
+    with transaction.atomic():
+        runs.check_fence(fence)
+        Event.objects.create(session_id=session_id, seq=1, run_id=run_id, type="fenced")
 
 
 async def test_it_rolls_back_a_fenced_transaction_of_a_stale_lease(rows: Rows):
     run_id = rows.run("a", "alice", status=RunStatus.QUEUED)
-    scheduler = DatabaseScheduler()
-    lease = await _claim(scheduler)
+    lease = await _claim(DatabaseScheduler())
     # Another process took the run over.
     await Run.objects.filter(pk=run_id).aupdate(lease_owner="other", lease_token=999)
-
-    def write() -> None:
-        Event.objects.create(
-            session_id=rows.sessions["alice"].pk, seq=1, run_id=run_id, type="stale"
-        )
-
-    with pytest.raises(SageError) as info:
-        await scheduler.run_fenced(lease, write)
-    assert info.value.code == "scheduler.fence_rejected"
+    with pytest.raises(FenceRejected):
+        await db_call(_write_fenced, lease_fence(lease), rows.sessions["alice"].pk, run_id)
     assert not await Event.objects.filter(run_id=run_id).aexists()
+
+
+async def test_it_rejects_a_write_past_the_lease_expiry_before_anyone_reclaims(rows: Rows):
+    run_id = rows.run("a", "alice", status=RunStatus.QUEUED)
+    lease = await _claim(DatabaseScheduler())
+    # The lease ran out (by the database's clock); nobody has reclaimed the run yet.
+    await Run.objects.filter(pk=run_id).aupdate(
+        lease_expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    with pytest.raises(FenceRejected):
+        await db_call(_write_fenced, lease_fence(lease), rows.sessions["alice"].pk, run_id)
+    run = await Run.objects.aget(pk=run_id)
+    assert (run.status, run.lease_token) == (RunStatus.RUNNING, lease.fencing_token)
 
 
 async def test_it_commits_a_fenced_transaction_of_a_live_lease(rows: Rows):
     run_id = rows.run("a", "alice", status=RunStatus.QUEUED)
-    scheduler = DatabaseScheduler()
-    lease = await _claim(scheduler)
-
-    def write() -> int:
-        event = Event.objects.create(
-            session_id=rows.sessions["alice"].pk, seq=1, run_id=run_id, type="ok"
-        )
-        return event.seq
-
-    assert await scheduler.run_fenced(lease, write) == 1
-    assert lease_fence(lease).lease_token == lease.fencing_token
+    lease = await _claim(DatabaseScheduler())
+    await db_call(_write_fenced, lease_fence(lease), rows.sessions["alice"].pk, run_id)
+    assert await Event.objects.filter(run_id=run_id, type="fenced").aexists()
 
 
-async def test_it_accepts_releasing_a_run_the_executor_already_finished(rows: Rows):
-    run_id = rows.run("a", "alice", status=RunStatus.QUEUED)
-    scheduler = DatabaseScheduler()
-    lease = await _claim(scheduler)
-    await Run.objects.filter(pk=run_id).aupdate(status=RunStatus.COMPLETED, lease_owner="")
-    await scheduler.release(lease, LeaseReleaseReason.COMPLETED)
-    assert scheduler.leases() == ()
+async def test_it_grants_leases_by_the_database_clock(rows: Rows):
+    rows.run("a", "alice", status=RunStatus.QUEUED)
+    before = await db_call(runs.db_now)
+    lease = await _claim(DatabaseScheduler())
+    after = await db_call(runs.db_now)
+    # Granted after any wait for the claim lock: the lease starts when it is granted.
+    assert before - timedelta(seconds=1) <= lease.acquired_at <= after + timedelta(seconds=1)
+    assert lease.expires_at - lease.acquired_at == LEASE
 
 
 async def test_it_requeues_with_an_error_on_worker_shutdown(rows: Rows):

@@ -24,6 +24,7 @@ from scheduling.scheduler import (
 from tests.scheduling.scheduler_contract import (
     BOUND,
     LEASE,
+    FencedExecutionContract,
     ManualClock,
     SchedulerContract,
     default_work,
@@ -46,7 +47,7 @@ async def make_scheduler() -> AsyncIterator[Callable[..., InMemoryScheduler]]:
         await within(scheduler.close())
 
 
-class TestInMemoryScheduler(SchedulerContract):
+class TestInMemoryScheduler(SchedulerContract, FencedExecutionContract):
     pass
 
 

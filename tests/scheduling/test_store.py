@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -43,14 +43,21 @@ storage = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
 def _seed_session(owner: Any, events: int, *, run: bool = False) -> tuple[Session, Run | None]:
     session = Session.objects.create(
-        owner=owner, package_ref="ref", package_name="demo", agent_id="assistant",
+        owner=owner,
+        package_ref="ref",
+        package_name="demo",
+        agent_id="assistant",
         persisted_events=events,
     )
     lease_run = None
     if run:
         lease_run = Run.objects.create(
-            session=session, owner=owner, status=RunStatus.RUNNING, lease_owner="worker-a",
+            session=session,
+            owner=owner,
+            status=RunStatus.RUNNING,
+            lease_owner="worker-a",
             lease_token=7,
+            lease_expires_at=datetime.now(UTC) + timedelta(minutes=5),
         )
     now = datetime.now(UTC)
     Event.objects.bulk_create(
@@ -69,8 +76,9 @@ seed_session = sync_to_async(_seed_session)
 @sync_to_async
 def db_state(session_id: Any) -> tuple[int, list[int]]:
     persisted = Session.objects.get(pk=session_id).persisted_events
-    seqs = list(Event.objects.filter(session_id=session_id).order_by("seq")
-                .values_list("seq", flat=True))
+    seqs = list(
+        Event.objects.filter(session_id=session_id).order_by("seq").values_list("seq", flat=True)
+    )
     return persisted, seqs
 
 
@@ -88,6 +96,7 @@ async def capture(
     try:
         result = await action()
     finally:
+
         def leave() -> list[str]:
             context.__exit__(None, None, None)
             return [q["sql"] for q in context.captured_queries]
@@ -159,8 +168,10 @@ async def coordinator():
 
 def _history(n: int) -> list[SessionEvent]:
     now = datetime.now(UTC)
-    return [SessionEvent(seq=i, type="m", run_id=None, created_at=now, payload={"i": i})
-            for i in range(1, n + 1)]
+    return [
+        SessionEvent(seq=i, type="m", run_id=None, created_at=now, payload={"i": i})
+        for i in range(1, n + 1)
+    ]
 
 
 def test_it_dumps_only_the_events_after_the_offset():
@@ -193,19 +204,23 @@ def test_it_reuses_an_events_encoding_instead_of_serializing_it_again():
 
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
-async def test_it_appends_one_event_to_a_long_session_with_constant_statements(
-    alice, coordinator
-):
+async def test_it_appends_one_event_to_a_long_session_with_constant_statements(alice, coordinator):
     short, _ = await seed_session(alice, 10)
     long, _ = await seed_session(alice, 10_000)
     await coordinator.history(short.id)
     await coordinator.history(long.id)
 
-    _, short_queries = await capture(coordinator, short.id, lambda: coordinator.commit(
-        short.id, drafts=[("message", {"text": "hi"})]))
+    _, short_queries = await capture(
+        coordinator,
+        short.id,
+        lambda: coordinator.commit(short.id, drafts=[("message", {"text": "hi"})]),
+    )
     before = serialization.serializer_calls.value
-    result, long_queries = await capture(coordinator, long.id, lambda: coordinator.commit(
-        long.id, drafts=[("message", {"text": "hi"})]))
+    result, long_queries = await capture(
+        coordinator,
+        long.id,
+        lambda: coordinator.commit(long.id, drafts=[("message", {"text": "hi"})]),
+    )
 
     assert serialization.serializer_calls.value - before == 1
     assert _kinds(long_queries) == _kinds(short_queries)
@@ -221,8 +236,7 @@ async def test_it_issues_no_statement_when_nothing_is_new(alice, coordinator):
     session, _ = await seed_session(alice, 50)
     await coordinator.history(session.id)
 
-    result, queries = await capture(coordinator, session.id,
-                                    lambda: coordinator.commit(session.id))
+    result, queries = await capture(coordinator, session.id, lambda: coordinator.commit(session.id))
 
     assert queries == []
     assert result.written == 0
@@ -237,8 +251,9 @@ async def test_it_replaces_the_rows_with_one_delete_and_a_full_reinsert_after_tr
     session, _ = await seed_session(alice, 60)
     await coordinator.history(session.id)
 
-    result, queries = await capture(coordinator, session.id,
-                                    lambda: coordinator.truncate(session.id, length=20))
+    result, queries = await capture(
+        coordinator, session.id, lambda: coordinator.truncate(session.id, length=20)
+    )
 
     deletes = [q for q in queries if q.upper().startswith("DELETE")]
     assert len(deletes) == 1 and "scheduling_event" in deletes[0]
@@ -303,8 +318,11 @@ async def test_it_rejects_only_the_stale_commit_in_a_group_commit(alice, coordin
 
     async with WriterGate(coordinator, seeded[0][0].id) as gate:
         tasks = [
-            asyncio.create_task(coordinator.commit(
-                session.id, run_id=run.id, drafts=[("m", {"i": i})], fence=fences[i]))
+            asyncio.create_task(
+                coordinator.commit(
+                    session.id, run_id=run.id, drafts=[("m", {"i": i})], fence=fences[i]
+                )
+            )
             for i, (session, run) in enumerate(seeded)
         ]
         await gate.wait_queued(3)
@@ -316,15 +334,16 @@ async def test_it_rejects_only_the_stale_commit_in_a_group_commit(alice, coordin
     assert isinstance(outcomes[1], ConflictError)
     assert outcomes[1].code == "scheduler.fence_rejected"
     assert outcomes[0].seqs == (3,) and outcomes[2].seqs == (3,)
-    assert [await db_state(s.id) for s, _ in seeded] == [(3, [1, 2, 3]), (2, [1, 2]),
-                                                          (3, [1, 2, 3])]
+    assert [await db_state(s.id) for s, _ in seeded] == [
+        (3, [1, 2, 3]),
+        (2, [1, 2]),
+        (3, [1, 2, 3]),
+    ]
 
 
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
-async def test_it_rejects_only_the_commit_whose_rows_collide_in_a_group_commit(
-    alice, coordinator
-):
+async def test_it_rejects_only_the_commit_whose_rows_collide_in_a_group_commit(alice, coordinator):
     sessions = [(await seed_session(alice, 2))[0] for _ in range(3)]
     for session in sessions:
         await coordinator.history(session.id)
@@ -333,8 +352,9 @@ async def test_it_rejects_only_the_commit_whose_rows_collide_in_a_group_commit(
     await sync_to_async(Event.objects.create)(session=sessions[1], seq=3, type="intruder")
 
     async with WriterGate(coordinator, sessions[0].id) as gate:
-        tasks = [asyncio.create_task(coordinator.commit(s.id, drafts=[("m", {})]))
-                 for s in sessions]
+        tasks = [
+            asyncio.create_task(coordinator.commit(s.id, drafts=[("m", {})])) for s in sessions
+        ]
         await gate.wait_queued(3)
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -353,8 +373,9 @@ async def test_it_gives_each_commit_its_own_transaction_without_group_commit(ali
         for session in sessions:
             await coordinator.history(session.id)
         async with WriterGate(coordinator, sessions[0].id) as gate:
-            tasks = [asyncio.create_task(coordinator.commit(s.id, drafts=[("m", {})]))
-                     for s in sessions]
+            tasks = [
+                asyncio.create_task(coordinator.commit(s.id, drafts=[("m", {})])) for s in sessions
+            ]
             await gate.wait_queued(3)
         await asyncio.gather(*tasks)
         assert coordinator.snapshot()["largest_batch"] == 1
@@ -365,15 +386,18 @@ async def test_it_gives_each_commit_its_own_transaction_without_group_commit(ali
 
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
-async def test_it_keeps_a_sessions_sequence_contiguous_under_concurrent_commits(
-    alice, coordinator
-):
+async def test_it_keeps_a_sessions_sequence_contiguous_under_concurrent_commits(alice, coordinator):
     session, _ = await seed_session(alice, 0)
 
-    results = await asyncio.wait_for(asyncio.gather(*(
-        coordinator.commit(session.id, drafts=[("m", {"i": i}), ("m", {"i": i})])
-        for i in range(10)
-    )), BOUND)
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            *(
+                coordinator.commit(session.id, drafts=[("m", {"i": i}), ("m", {"i": i})])
+                for i in range(10)
+            )
+        ),
+        BOUND,
+    )
 
     assert sorted(s for r in results for s in r.seqs) == list(range(1, 21))
     assert await db_state(session.id) == (20, list(range(1, 21)))
@@ -434,10 +458,12 @@ async def test_it_commits_several_sessions_together(alice, coordinator):
     a, _ = await seed_session(alice, 1)
     b, _ = await seed_session(alice, 4)
 
-    results = await coordinator.commit_many([
-        CommitSpec(session_id=b.id, drafts=[EventDraft(type="m", payload={})]),
-        CommitSpec(session_id=a.id, drafts=[("m", {})]),
-    ])
+    results = await coordinator.commit_many(
+        [
+            CommitSpec(session_id=b.id, drafts=[EventDraft(type="m", payload={})]),
+            CommitSpec(session_id=a.id, drafts=[("m", {})]),
+        ]
+    )
 
     assert [r.seqs for r in results] == [(5,), (2,)]
     assert (await db_state(a.id))[0] == 2 and (await db_state(b.id))[0] == 5
@@ -498,8 +524,12 @@ async def test_it_appends_through_append_events(alice):
     session, run = await seed_session(alice, 2, run=True)
     fence = Fence(run_id=run.id, lease_owner="worker-a", lease_token=7)
     try:
-        seqs = await append_events(session_id=session.id, run_id=run.id,
-                                   events=[("a", {}), ("b", {"x": [1, 2]})], fence=fence)
+        seqs = await append_events(
+            session_id=session.id,
+            run_id=run.id,
+            events=[("a", {}), ("b", {"x": [1, 2]})],
+            fence=fence,
+        )
     finally:
         await close_default_coordinator()
 

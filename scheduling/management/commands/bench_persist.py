@@ -39,16 +39,21 @@ def progress(message: str) -> None:
 
 def seed_session(owner: Any, events: int) -> Session:
     session = Session.objects.create(
-        owner=owner, package_ref="bench", package_name="bench", agent_id="bench",
+        owner=owner,
+        package_ref="bench",
+        package_name="bench",
+        agent_id="bench",
         persisted_events=events,
     )
     data = orjson.dumps(PAYLOAD).decode()
     now = datetime.now(UTC)
     for start in range(1, events + 1, SEED_BATCH):
-        Event.objects.bulk_create([
-            Event(session=session, seq=seq, type="message", data=data, created_at=now)
-            for seq in range(start, min(events, start + SEED_BATCH - 1) + 1)
-        ])
+        Event.objects.bulk_create(
+            [
+                Event(session=session, seq=seq, type="message", data=data, created_at=now)
+                for seq in range(start, min(events, start + SEED_BATCH - 1) + 1)
+            ]
+        )
     return session
 
 
@@ -120,14 +125,22 @@ class Command(BaseCommand):
     help = "Benchmark event commits on the configured database (append cost, group commit)."
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("--events", default="1000,10000,100000",
-                            help="comma-separated history lengths for append_one")
-        parser.add_argument("--commits", type=int, default=40,
-                            help="timed append_one commits per history length")
+        parser.add_argument(
+            "--events",
+            default="1000,10000,100000",
+            help="comma-separated history lengths for append_one",
+        )
+        parser.add_argument(
+            "--commits", type=int, default=40, help="timed append_one commits per history length"
+        )
         parser.add_argument("--sessions", type=int, default=64)
         parser.add_argument("--commits-per-session", type=int, default=30)
-        parser.add_argument("--writers", type=int, default=4,
-                            help="the multi-writer configuration to compare with 1")
+        parser.add_argument(
+            "--writers",
+            type=int,
+            default=4,
+            help="the multi-writer configuration to compare with 1",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
@@ -166,31 +179,50 @@ class Command(BaseCommand):
             first_median = first_median or median
             ordered = sorted(timings)
             p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] * 1000
-            self._emit({
-                "path": "append_one", "database": database, "events": size,
-                "commits": options["commits"], "median_ms": round(median, 3),
-                "p95_ms": round(p95, 3), "ratio_vs_first": round(median / first_median, 3),
-            })
-        sessions = [
-            seed_session(owner, 0).id for _ in range(options["sessions"])
-        ]
+            self._emit(
+                {
+                    "path": "append_one",
+                    "database": database,
+                    "events": size,
+                    "commits": options["commits"],
+                    "median_ms": round(median, 3),
+                    "p95_ms": round(p95, 3),
+                    "ratio_vs_first": round(median / first_median, 3),
+                }
+            )
+        sessions = [seed_session(owner, 0).id for _ in range(options["sessions"])]
         results: dict[tuple[bool, int], float] = {}
         for writers in sorted({1, options["writers"]}):
             for group_commit in (False, True):
-                progress(f"{len(sessions)} sessions, group_commit={group_commit}, "
-                         f"writers={writers}")
-                figures = asyncio.run(concurrent(
-                    sessions, commits=options["commits_per_session"], writers=writers,
-                    group_commit=group_commit,
-                ))
+                progress(
+                    f"{len(sessions)} sessions, group_commit={group_commit}, writers={writers}"
+                )
+                figures = asyncio.run(
+                    concurrent(
+                        sessions,
+                        commits=options["commits_per_session"],
+                        writers=writers,
+                        group_commit=group_commit,
+                    )
+                )
                 results[(group_commit, writers)] = figures["events_per_s"]
-                self._emit({
-                    "path": "concurrent", "database": database, "sessions": len(sessions),
-                    "commits_per_session": options["commits_per_session"],
-                    "group_commit": group_commit, "writers": writers, **figures,
-                })
+                self._emit(
+                    {
+                        "path": "concurrent",
+                        "database": database,
+                        "sessions": len(sessions),
+                        "commits_per_session": options["commits_per_session"],
+                        "group_commit": group_commit,
+                        "writers": writers,
+                        **figures,
+                    }
+                )
         for writers in sorted({1, options["writers"]}):
-            self._emit({
-                "path": "group_commit_speedup", "database": database, "writers": writers,
-                "ratio": round(results[(True, writers)] / results[(False, writers)], 2),
-            })
+            self._emit(
+                {
+                    "path": "group_commit_speedup",
+                    "database": database,
+                    "writers": writers,
+                    "ratio": round(results[(True, writers)] / results[(False, writers)], 2),
+                }
+            )

@@ -23,7 +23,7 @@ from scheduling.store import dump_events
 TYPICAL_PAYLOAD: dict[str, Any] = {
     "role": "assistant",
     "content": "Here is the summary you asked for: the refund was approved and will arrive "
-               "within five business days. Anything else I can help with?",
+    "within five business days. Anything else I can help with?",
     "tool_calls": [{"id": "call_1", "name": "lookup_order", "arguments": {"order": "A-1042"}}],
     "usage": {"input_tokens": 812, "output_tokens": 64},
     "model": "scripted",
@@ -52,8 +52,10 @@ def measure(history: list[SessionEvent], offset: int | None, repeats: int) -> di
         dump_events(history, offset)
         timings.append(time.perf_counter() - started)
         serialized = serializer_calls.value - before
-    return {"median_ms": round(statistics.median(timings) * 1000, 4),
-            "serialized_events": serialized}
+    return {
+        "median_ms": round(statistics.median(timings) * 1000, 4),
+        "serialized_events": serialized,
+    }
 
 
 class Command(BaseCommand):

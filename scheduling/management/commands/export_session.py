@@ -20,8 +20,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("session_id", help="the session's UUID")
-        parser.add_argument("--output", "-o", default="-",
-                            help="file to write (default: standard output)")
+        parser.add_argument(
+            "--output", "-o", default="-", help="file to write (default: standard output)"
+        )
         parser.add_argument("--database", default="default", help="database alias")
 
     def handle(self, *args: Any, **options: Any) -> None:

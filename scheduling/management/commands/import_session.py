@@ -21,13 +21,20 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("file", help="the export file, or - for standard input")
-        parser.add_argument("--owner", default=None,
-                            help="username to own the imported sessions (default: as exported)")
-        parser.add_argument("--create-owner", action="store_true",
-                            help="create the exported owner when no such user exists")
+        parser.add_argument(
+            "--owner",
+            default=None,
+            help="username to own the imported sessions (default: as exported)",
+        )
+        parser.add_argument(
+            "--create-owner",
+            action="store_true",
+            help="create the exported owner when no such user exists",
+        )
         parser.add_argument("--database", default="default", help="database alias")
-        parser.add_argument("--json", action="store_true",
-                            help="print the result, or the error envelope, as JSON")
+        parser.add_argument(
+            "--json", action="store_true", help="print the result, or the error envelope, as JSON"
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         db = options["database"]
@@ -40,12 +47,14 @@ class Command(BaseCommand):
                 raise CommandError(f"no user {options['owner']!r}") from None
         try:
             if options["file"] == "-":
-                session = import_session_lines(sys.stdin.buffer, using=db, owner=owner,
-                                               create_owner=options["create_owner"])
+                session = import_session_lines(
+                    sys.stdin.buffer, using=db, owner=owner, create_owner=options["create_owner"]
+                )
             else:
                 with open(options["file"], "rb") as handle:
-                    session = import_session_lines(handle, using=db, owner=owner,
-                                                   create_owner=options["create_owner"])
+                    session = import_session_lines(
+                        handle, using=db, owner=owner, create_owner=options["create_owner"]
+                    )
         except OSError as exc:
             raise CommandError(f"cannot read {options['file']}: {exc}") from exc
         except SageError as exc:
@@ -54,7 +63,10 @@ class Command(BaseCommand):
                 raise SystemExit(1) from exc
             raise CommandError(f"{exc.code}: {exc.message}") from exc
         if options["json"]:
-            self.stdout.write(orjson.dumps(
-                {"session": str(session.id), "events": session.persisted_events}).decode())
+            self.stdout.write(
+                orjson.dumps(
+                    {"session": str(session.id), "events": session.persisted_events}
+                ).decode()
+            )
         else:
             self.stdout.write(f"imported session {session.id} ({session.persisted_events} events)")

@@ -15,18 +15,27 @@ class Command(BaseCommand):
     requires_system_checks = "__all__"
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("--max-concurrent", type=int, default=None,
-                            help="override SAGE_SERVER_MAX_CONCURRENT_RUNS")
+        parser.add_argument(
+            "--max-concurrent",
+            type=int,
+            default=None,
+            help="override SAGE_SERVER_MAX_CONCURRENT_RUNS",
+        )
 
     def handle(self, *args, **options) -> None:
         async def main() -> None:
             worker = Worker(max_concurrent=options["max_concurrent"])
             install_signal_handlers(worker)
             logging.getLogger("sage.worker").info(
-                "worker %s started: up to %d concurrent runs", worker.worker_id,
+                "worker %s started: up to %d concurrent runs",
+                worker.worker_id,
                 worker.max_concurrent,
             )
             await worker.run()
             logging.getLogger("sage.worker").info("worker %s stopped", worker.worker_id)
+            return worker.failed
 
-        asyncio.run(main())
+        failed = asyncio.run(main())
+        if failed:
+            # A supervisor (systemd, the container runtime, make run) restarts the worker.
+            raise SystemExit(1)

@@ -1,0 +1,980 @@
+"""The Run state machine: the only code that changes a run's status.
+
+```
+            admit                 claim                    finish
+  (new) ─────────► queued ──────────────► running ───────────────► completed | failed |
+                    ▲  ▲                   │  │  │                  cancelled | interrupted
+        resume      │  │ requeue (shutdown,│  │  │ suspend
+   (reply "retry")  │  │ lease lost: reap) │  │  ▼
+                    │  └───────────────────┘  │ suspended ──► cancelled (cancel) |
+                    └─────────────────────────┼──────────┘    interrupted (newer run)
+                                              └─ reap: cancelled (cancel requested) |
+                                                 failed (crash budget used up)
+```
+
+Every transition is one conditional ``UPDATE … WHERE`` on the state it expects — for a
+leased run also its owner, token and an unexpired lease (measured by the database's clock)
+— in one transaction with everything the transition writes:
+
+- **admit** (`admit`): the row, queued; ``ready`` when it is its session's oldest unfinished
+  run. Pending limits, the idempotency key and the session's multitask rule are checked in
+  the same transaction.
+- **claim** (`claim`): the best ready queued run under the global and per-user limits,
+  with a fresh fencing token and a lease whose expiry is the database's time at grant plus
+  the lease length.
+- **renew** (`renew`), **requeue** (`requeue`: graceful shutdown, the crash budget is not
+  used), **reap** (`reap`: dead leases — requeued as a crash, or ended: a requested cancel
+  finishes as ``cancelled``, a used-up crash budget as ``failed``, each with its terminal
+  event and archive).
+- **start** (`Start`), **suspend** (`Suspend`) and **finish** (`Finish`) are written by the
+  worker's session store in the same transaction as the events they come with (the
+  terminal event, the status, the result and the archive row commit together).
+- **cancel** (`cancel`) and **resume** (`resume`) for the web side.
+
+When a run leaves the unfinished states its session's next queued run becomes ``ready``
+(`_promote_next`), so a session executes one run at a time, in submission order.
+
+Terminal events written outside the worker's store (reaper, web cancels) are appended with
+`append_event` under the session row's lock; the store's own commits are conditional on the
+session's durable prefix, so the two never interleave sequence numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db.models import Count, DateTimeField, ExpressionWrapper, F, Q, Value, Window
+from django.db.models.functions import Coalesce, Now, RowNumber
+from django.utils import timezone
+
+from sageproject.errors import (
+    ConflictError,
+    ErrorCategory,
+    NotFoundError,
+    RateLimitedError,
+    SageError,
+)
+from scheduling.faults import crash_point
+from scheduling.models import (
+    TERMINAL_STATUSES,
+    UNFINISHED_STATUSES,
+    Event,
+    FenceSequence,
+    Multitask,
+    Run,
+    RunQueue,
+    RunStatus,
+    Session,
+    StopRequest,
+    run_cancelled_error,
+    run_interrupted_error,
+)
+from scheduling.scheduler import ClaimCandidate, ClaimOrder, FenceRejected, fair_order
+from scheduling.serialization import encode_payload
+
+logger = logging.getLogger("sage.runs")
+
+Clock = Callable[[], datetime] | None
+
+TERMINAL_EVENTS = {
+    RunStatus.COMPLETED: "run.completed",
+    RunStatus.FAILED: "run.failed",
+    RunStatus.CANCELLED: "run.cancelled",
+    RunStatus.INTERRUPTED: "run.interrupted",
+}
+
+# How long PostgreSQL lets a claim transaction sit idle (its process frozen, say) before it
+# ends the session and releases the claim lock for every other worker.
+CLAIM_IDLE_TIMEOUT_MS = 2000
+
+
+def worker_restarted_error() -> dict[str, Any]:
+    return SageError(
+        "execution.worker_restarted",
+        "the run's worker stopped too many times; the run was failed",
+        category=ErrorCategory.RESOURCE_LOST,
+    ).record()
+
+
+# ------------------------------------------------------------------------------ values
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fence:
+    """What a write must still hold: the run's current lease owner and token."""
+
+    run_id: Any
+    lease_owner: str
+    lease_token: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Grant:
+    """One claimed run: its row fields, fencing token and lease expiry (database time)."""
+
+    row: dict[str, Any]
+    token: int
+    expires_at: datetime
+    granted_at: datetime
+
+
+# ------------------------------------------------------------------------------ archiver
+
+# The archive row (``ManagedAgentRecord``) belongs to the agents app; it registers its writer
+# here at start-up (``AgentsConfig.ready``) so scheduling never imports agents.
+_archiver: Callable[[Run, dict[str, Any] | None], Any] | None = None
+
+
+def set_archiver(fn: Callable[[Run, dict[str, Any] | None], Any] | None) -> None:
+    """Register ``fn(run, flow_outputs)``: writes a terminal run's archive row, called
+    inside the transaction that ends the run."""
+    global _archiver
+    _archiver = fn
+
+
+def _archive(run_id: Any, using: str, flow_outputs: dict[str, Any] | None = None) -> None:
+    if _archiver is None:
+        return
+    run = Run.objects.using(using).select_related("session").get(pk=run_id)
+    _archiver(run, flow_outputs)
+
+
+# ------------------------------------------------------------------------------ clocks
+
+
+def now_expr(clock: Clock = None) -> Any:
+    """The current time as the database sees it (``Now()``), or ``clock()`` when given
+    (tests move time by hand)."""
+    if clock is not None:
+        return Value(clock(), output_field=DateTimeField())
+    return Now()
+
+
+def later_expr(duration: timedelta, clock: Clock = None) -> Any:
+    """``now + duration`` in the database's clock."""
+    if clock is not None:
+        return Value(clock() + duration, output_field=DateTimeField())
+    return ExpressionWrapper(Now() + Value(duration), output_field=DateTimeField())
+
+
+def db_now(using: str = DEFAULT_DB_ALIAS, clock: Clock = None) -> datetime:
+    """The database server's current time (this host's on SQLite, which has no server)."""
+    if clock is not None:
+        return clock()
+    connection = connections[using]
+    if connection.vendor == "postgresql":
+        sql = "SELECT clock_timestamp()"
+    elif connection.vendor == "mysql":
+        sql = "SELECT UTC_TIMESTAMP(6)"
+    else:
+        return timezone.now()
+    with connection.cursor() as cursor:
+        cursor.execute(sql)
+        value = cursor.fetchone()[0]
+    if timezone.is_naive(value):
+        value = timezone.make_aware(value, timezone.UTC)
+    return value
+
+
+# ------------------------------------------------------------------------------ fences
+
+
+def held(fence: Fence, using: str = DEFAULT_DB_ALIAS, clock: Clock = None) -> Any:
+    """The run row while ``fence`` still owns it: running, same owner and token, and its
+    lease not yet expired by the database's clock."""
+    return Run.objects.using(using).filter(
+        pk=fence.run_id,
+        lease_owner=fence.lease_owner,
+        lease_token=fence.lease_token,
+        status=RunStatus.RUNNING,
+        lease_expires_at__gt=now_expr(clock),
+    )
+
+
+def check_fence(fence: Fence, *, using: str = DEFAULT_DB_ALIAS, clock: Clock = None) -> None:
+    """Conditional UPDATE of the run row inside the caller's transaction.
+
+    Raises ``scheduler.fence_rejected`` when no row matches: another owner, a newer token,
+    the run no longer running, or its lease expired (even if nobody reclaimed it yet).
+    """
+    if held(fence, using, clock).update(updated_at=timezone.now()) != 1:
+        raise FenceRejected(fence.run_id)
+
+
+# ------------------------------------------------------------------------------ events
+
+
+def append_event(
+    session_id: Any, run_id: Any, event_type: str, payload: Any, *, using: str = DEFAULT_DB_ALIAS
+) -> int:
+    """Append one event after the session's durable prefix (inside the caller's
+    transaction, under the session row's lock); returns its seq."""
+    persisted = (
+        Session.objects.using(using)
+        .select_for_update()
+        .values_list("persisted_events", flat=True)
+        .get(pk=session_id)
+    )
+    seq = persisted + 1
+    Event.objects.using(using).create(
+        session_id=session_id,
+        seq=seq,
+        run_id=run_id,
+        type=event_type,
+        data=encode_payload(payload),
+    )
+    Session.objects.using(using).filter(pk=session_id).update(
+        persisted_events=seq, updated_at=timezone.now()
+    )
+    return seq
+
+
+def terminal_payload(status: str, result: Any, error: Any) -> dict[str, Any]:
+    """The payload of a terminal event: the result of a completed run, else its error."""
+    return {"result": result} if status == RunStatus.COMPLETED else {"error": error}
+
+
+# ------------------------------------------------------------------------------ sessions
+
+
+def _promote_next(session_id: Any, using: str) -> None:
+    """Make the session's oldest queued run ready, unless another run is still unfinished
+    and ready (running, suspended or queued ahead)."""
+    runs = Run.objects.using(using).filter(session_id=session_id)
+    if runs.filter(status__in=UNFINISHED_STATUSES, ready=True).exists():
+        return
+    head = (
+        runs.filter(status=RunStatus.QUEUED, ready=False)
+        .order_by("created_at", "id")
+        .values_list("pk", flat=True)
+        .first()
+    )
+    if head is not None:
+        runs.filter(pk=head).update(ready=True)
+
+
+def session_busy_error() -> ConflictError:
+    return ConflictError(
+        "session.busy",
+        "the session already has an unfinished run; wait for it, or submit with "
+        "multitask=enqueue, interrupt or rollback",
+    )
+
+
+def queue_full_error(limit: int, *, per_user: bool = False) -> RateLimitedError:
+    whose = "you have" if per_user else "the host has"
+    return RateLimitedError(
+        "scheduler.queue_full",
+        f"{whose} {limit} queued runs, the limit; try again shortly",
+        resumable=True,
+        details={"max_pending_per_user" if per_user else "max_pending": limit, "retry_after": 2},
+    )
+
+
+# ------------------------------------------------------------------------------ admit
+
+
+def admit(
+    *,
+    owner: Any,
+    session: Session,
+    input: Any,
+    idempotency_key: str | None = None,
+    queue: str = RunQueue.CHAT,
+    priority: int = 0,
+    multitask: str = Multitask.ENQUEUE,
+    lock: Callable[[], Any],
+) -> tuple[Run, bool]:
+    """Admit a run (queued); returns (run, created).
+
+    ``lock()`` is a context manager serializing admissions (a database lock held to the
+    commit). A repeated ``idempotency_key`` answers the run it created first. Raises
+    ``scheduler.queue_full`` (429) at the pending limits and ``session.busy`` (409) for
+    ``multitask=reject`` on a session with an unfinished run. With ``interrupt`` or
+    ``rollback`` the session's unfinished runs are stopped (queued and suspended ones at
+    once, a running one by its worker at its next step) and the new run follows them.
+    """
+    multitask = Multitask(multitask)
+    limit = settings.SAGE["SAGE_SERVER_MAX_PENDING_RUNS"]
+    per_user = settings.SAGE["SAGE_SERVER_MAX_PENDING_RUNS_PER_USER"]
+    with lock():
+        if idempotency_key:
+            existing = Run.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
+            if existing is not None:
+                return existing, False
+        queued = Run.objects.filter(status=RunStatus.QUEUED, parent__isnull=True)
+        if queued.count() >= limit:
+            raise queue_full_error(limit)
+        # One user flooding the queue must not lock everyone else out of admission.
+        if queued.filter(owner=owner).count() >= per_user:
+            raise queue_full_error(per_user, per_user=True)
+        # The session row's lock orders this admission against the session's finishing
+        # run (which promotes the next one under the same lock).
+        Session.objects.select_for_update().filter(pk=session.pk).values_list("pk").first()
+        unfinished = Run.objects.filter(session=session, status__in=UNFINISHED_STATUSES)
+        if unfinished.exists():
+            if multitask is Multitask.REJECT:
+                raise session_busy_error()
+            if multitask in (Multitask.INTERRUPT, Multitask.ROLLBACK):
+                for run_id in unfinished.values_list("pk", flat=True):
+                    _stop(run_id, StopRequest(multitask.value), using=DEFAULT_DB_ALIAS)
+        ready = not Run.objects.filter(session=session, status__in=UNFINISHED_STATUSES).exists()
+        run = Run.objects.create(
+            session=session,
+            owner=owner,
+            input=input,
+            idempotency_key=idempotency_key or None,
+            queue=queue,
+            priority=priority,
+            ready=ready,
+        )
+    return run, True
+
+
+# ------------------------------------------------------------------------------ claim
+
+
+def _dead_lease(clock: Clock) -> Q:
+    return Q(status=RunStatus.RUNNING) & (
+        Q(lease_expires_at__lte=now_expr(clock)) | Q(lease_expires_at__isnull=True)
+    )
+
+
+def _claimable(queue: str | None, clock: Clock) -> Q:
+    available = Q(
+        status=RunStatus.QUEUED,
+        ready=True,
+        available_at__lte=now_expr(clock),
+        cancel_requested=False,
+    )
+    if queue is not None:
+        available &= Q(queue=queue)
+    return available
+
+
+_ROW_FIELDS = ("pk", "owner_id", "priority", "available_at", "attempts", "queue", "parent_id")
+
+
+def claim(
+    *,
+    worker_id: str,
+    duration: timedelta,
+    order: ClaimOrder = ClaimOrder.FAIR,
+    max_active: int | None = None,
+    per_tenant: int | None = None,
+    queue: str | None = None,
+    limit: int = 1,
+    exclude: Iterable[str] = (),
+    max_crashes: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+    clock: Clock = None,
+) -> tuple[list[Grant], list[str]]:
+    """Claim up to ``limit`` runs in one transaction; returns (grants, reaped run ids).
+
+    Idle polling takes no lock (a frozen worker inside the claim transaction would stall
+    every other worker's claims). The claim itself serializes on the fence-sequence row; on
+    PostgreSQL a transaction left idle by a frozen process is ended after
+    ``CLAIM_IDLE_TIMEOUT_MS``. Dead leases are reaped first (see `reap`), except runs in
+    ``exclude`` (this process is writing for them).
+    """
+    db = using
+    if not Run.objects.using(db).filter(_claimable(queue, clock) | _dead_lease(clock)).exists():
+        return [], []
+    connection = connections[db]
+    with _claim_guard(connection), transaction.atomic(using=db):
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}"
+                )
+        fence_row = _fence_row(db)
+        reaped = _reap_locked(db, clock, frozenset(exclude), max_crashes)
+        grants: list[Grant] = []
+        running = {
+            owner: n
+            for owner, n in Run.objects.using(db)
+            .filter(status=RunStatus.RUNNING, parent__isnull=True)
+            .values_list("owner_id")
+            .annotate(n=Count("pk"))
+            .order_by()
+        }
+        token = fence_row.value
+        taken: set[Any] = set()
+        while len(grants) < limit:
+            queued = Run.objects.using(db).filter(_claimable(queue, clock)).exclude(pk__in=taken)
+            if max_active is not None and sum(running.values()) >= max_active:
+                # Only child runs (which count against no quota) may still start.
+                queued = queued.filter(parent__isnull=False)
+            if per_tenant is not None:
+                saturated = [owner for owner, n in running.items() if n >= per_tenant]
+                if saturated:
+                    queued = queued.exclude(Q(owner_id__in=saturated) & Q(parent__isnull=True))
+            heads = (
+                queued.annotate(
+                    head=Window(
+                        RowNumber(),
+                        partition_by=[F("owner_id")],
+                        order_by=[F("priority").desc(), F("created_at").asc(), F("id").asc()],
+                    )
+                )
+                .filter(head=1)
+                .values_list("pk", "owner_id", "priority", "created_at", "parent_id")
+            )
+            candidates = [
+                ClaimCandidate(
+                    tenant_id=owner if parent is None else None,
+                    priority=priority,
+                    submit_order=(created, str(pk)),
+                    ref=pk,
+                )
+                for pk, owner, priority, created, parent in heads
+            ]
+            grant = None
+            skip_locked = connection.features.has_select_for_update_skip_locked
+            for candidate in fair_order(candidates, running, order=order):
+                rows = Run.objects.using(db).filter(
+                    pk=candidate.ref, status=RunStatus.QUEUED, ready=True
+                )
+                if skip_locked:
+                    rows = rows.select_for_update(skip_locked=True)
+                if rows.values_list("pk").first() is None:
+                    continue  # taken or being changed by another transaction
+                token += 1
+                Run.objects.using(db).filter(pk=candidate.ref).update(
+                    status=RunStatus.RUNNING,
+                    lease_owner=worker_id,
+                    lease_token=token,
+                    lease_expires_at=later_expr(duration, clock),
+                    attempts=F("attempts") + 1,
+                    started_at=Coalesce(F("started_at"), now_expr(clock)),
+                )
+                row = (
+                    Run.objects.using(db)
+                    .filter(pk=candidate.ref)
+                    .values(*_ROW_FIELDS, "lease_expires_at")
+                    .get()
+                )
+                expires = row.pop("lease_expires_at")
+                grant = Grant(
+                    row=row, token=token, expires_at=expires, granted_at=expires - duration
+                )
+                taken.add(candidate.ref)
+                if row["parent_id"] is None:
+                    running[row["owner_id"]] = running.get(row["owner_id"], 0) + 1
+                break
+            if grant is None:
+                break
+            grants.append(grant)
+        if token != fence_row.value:
+            FenceSequence.objects.using(db).filter(pk=1).update(value=token)
+        if grants:
+            crash_point("claim.before_commit")
+    if grants:
+        crash_point("claim.after_commit")
+    return grants, reaped
+
+
+@contextmanager
+def _claim_guard(connection: Any) -> Iterator[None]:
+    """On MySQL/MariaDB, which cannot end a transaction left idle, the claim connection's
+    ``wait_timeout`` is lowered for the claim: a process frozen inside it is disconnected
+    (its transaction rolled back, the claim lock released) after a few seconds."""
+    if connection.vendor != "mysql":
+        yield
+        return
+    seconds = max(1, CLAIM_IDLE_TIMEOUT_MS // 1000)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT @@SESSION.wait_timeout")
+        (previous,) = cursor.fetchone()
+        cursor.execute(f"SET SESSION wait_timeout = {seconds}")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET SESSION wait_timeout = {int(previous)}")
+
+
+def _fence_row(db: str) -> FenceSequence:
+    row = FenceSequence.objects.using(db).select_for_update().filter(pk=1).first()
+    if row is None:
+        FenceSequence.objects.using(db).get_or_create(pk=1, defaults={"value": 0})
+        row = FenceSequence.objects.using(db).select_for_update().get(pk=1)
+    return row
+
+
+def next_due(queue: str | None = None, *, using: str = DEFAULT_DB_ALIAS) -> datetime | None:
+    """The next time a queued row becomes available or a lease expires (database values)."""
+    later = Run.objects.using(using).filter(status=RunStatus.QUEUED, ready=True)
+    if queue is not None:
+        later = later.filter(queue=queue)
+    times = [
+        later.order_by("available_at").values_list("available_at", flat=True).first(),
+        Run.objects.using(using)
+        .filter(status=RunStatus.RUNNING, lease_expires_at__isnull=False)
+        .order_by("lease_expires_at")
+        .values_list("lease_expires_at", flat=True)
+        .first(),
+    ]
+    due = [t for t in times if t is not None]
+    return min(due) if due else None
+
+
+# ------------------------------------------------------------------------------ leases
+
+
+def renew(
+    fence: Fence,
+    duration: timedelta,
+    *,
+    max_crashes: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+    clock: Clock = None,
+) -> datetime | None:
+    """Extend a live lease to the database's now + ``duration``; returns the new expiry, or
+    None when the lease is gone (superseded, released, cancelled, or expired — an expired
+    run is reaped at once, as a crash)."""
+    with transaction.atomic(using=using):
+        if held(fence, using, clock).update(lease_expires_at=later_expr(duration, clock)) == 1:
+            return (
+                Run.objects.using(using)
+                .filter(pk=fence.run_id)
+                .values_list("lease_expires_at", flat=True)
+                .get()
+            )
+        _reap_locked(using, clock, frozenset(), max_crashes)
+        return None
+
+
+def requeue(
+    fence: Fence,
+    *,
+    error: dict[str, Any] | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+    clock: Clock = None,
+    allow_expired: bool = False,
+) -> bool:
+    """Give a leased run back to the queue (graceful shutdown): it keeps its place and its
+    session's turn, and the crash budget is not used. False when the lease was lost."""
+    rows = Run.objects.using(using).filter(
+        pk=fence.run_id,
+        lease_owner=fence.lease_owner,
+        lease_token=fence.lease_token,
+        status=RunStatus.RUNNING,
+    )
+    if not allow_expired:
+        rows = rows.filter(lease_expires_at__gt=now_expr(clock))
+    values = {**_REQUEUE, "available_at": now_expr(clock)}
+    if error is not None:
+        values["error"] = error
+    with transaction.atomic(using=using):
+        return rows.update(**values) == 1
+
+
+# The token is cleared too, so a stale lease can never match a requeued row; the row keeps
+# created_at and ready, so a run that lost its worker is not sent to the back.
+_REQUEUE = {
+    "status": RunStatus.QUEUED,
+    "lease_owner": "",
+    "lease_token": None,
+    "lease_expires_at": None,
+}
+
+
+# ------------------------------------------------------------------------------ reap
+
+
+def reap(
+    *,
+    max_crashes: int | None = None,
+    exclude: Iterable[str] = (),
+    using: str = DEFAULT_DB_ALIAS,
+    clock: Clock = None,
+) -> list[str]:
+    """End every dead lease (not in ``exclude``); returns the run ids touched."""
+    with transaction.atomic(using=using):
+        return _reap_locked(using, clock, frozenset(exclude), max_crashes)
+
+
+def _reap_locked(
+    using: str, clock: Clock, exclude: frozenset[str], max_crashes: int | None
+) -> list[str]:
+    """A run whose lease is dead lost its worker (a crash): with a cancel requested it ends
+    ``cancelled`` (or ``interrupted``); once ``max_crashes`` crashes are used up it ends
+    ``failed`` (``execution.worker_restarted``); otherwise it is queued again with one more
+    crash counted. Each ending writes its terminal event and archive here."""
+    dead = Run.objects.using(using).filter(_dead_lease(clock))
+    if exclude:
+        dead = dead.exclude(pk__in=list(exclude))
+    rows = list(dead.values_list("pk", "session_id", "crashes", "cancel_requested", "stop_request"))
+    # A cancel requested of a queued run (written by an older version) also ends here.
+    stale_cancels = list(
+        Run.objects.using(using)
+        .filter(status=RunStatus.QUEUED, cancel_requested=True)
+        .values_list("pk", flat=True)
+    )
+    touched: list[str] = []
+    for pk, session_id, crashes, cancel, stop in rows:
+        expected = Q(pk=pk) & _dead_lease(clock)
+        if cancel:
+            ended = _end(pk, session_id, expected, _stopped_status(stop), using=using)
+            if ended and stop == StopRequest.ROLLBACK:
+                remove_run_events(session_id, pk, using=using)
+        elif max_crashes is not None and crashes + 1 >= max_crashes:
+            ended = _end(
+                pk,
+                session_id,
+                expected,
+                RunStatus.FAILED,
+                error=worker_restarted_error(),
+                extra={"crashes": crashes + 1},
+                using=using,
+            )
+            if ended:
+                logger.warning("run %s failed: its worker stopped %d times", pk, crashes + 1)
+        else:
+            ended = (
+                Run.objects.using(using)
+                .filter(expected)
+                .update(**_REQUEUE, crashes=F("crashes") + 1)
+                == 1
+            )
+            if ended:
+                logger.info("run %s requeued: its worker stopped (crash %d)", pk, crashes + 1)
+        if ended:
+            touched.append(str(pk))
+    for pk in stale_cancels:
+        if cancel_queued(pk, using=using):
+            touched.append(str(pk))
+    return touched
+
+
+def _stopped_status(stop: str) -> str:
+    if stop in (StopRequest.INTERRUPT, StopRequest.ROLLBACK):
+        return RunStatus.INTERRUPTED
+    return RunStatus.CANCELLED
+
+
+def _error_for(status: str) -> dict[str, Any] | None:
+    if status == RunStatus.CANCELLED:
+        return run_cancelled_error()
+    if status == RunStatus.INTERRUPTED:
+        return run_interrupted_error()
+    return None
+
+
+def _end(
+    pk: Any,
+    session_id: Any,
+    expected: Q,
+    status: str,
+    *,
+    error: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    using: str,
+) -> bool:
+    """A run ended outside its worker: status, terminal event and archive, together."""
+    error = error if error is not None else _error_for(status)
+    done = (
+        Run.objects.using(using)
+        .filter(expected)
+        .update(
+            status=status,
+            error=error,
+            result=None,
+            interaction=None,
+            finished_at=Now(),
+            lease_owner="",
+            lease_expires_at=None,
+            **(extra or {}),
+        )
+        == 1
+    )
+    if not done:
+        return False
+    append_event(
+        session_id, pk, TERMINAL_EVENTS[status], terminal_payload(status, None, error), using=using
+    )
+    _archive(pk, using)
+    _promote_next(session_id, using)
+    return True
+
+
+# ------------------------------------------------------------------------------ web side
+
+
+def _stop(run_id: Any, reason: StopRequest, *, using: str) -> None:
+    """Stop an unfinished run: a queued or suspended one ends now, a running one is asked
+    to stop (its worker ends it at its next step; the reaper if its worker is dead)."""
+    if cancel_queued(run_id, reason=reason, using=using):
+        return
+    Run.objects.using(using).filter(pk=run_id, status=RunStatus.RUNNING).update(
+        cancel_requested=True, stop_request=reason
+    )
+
+
+def cancel_queued(
+    run_id: Any, *, reason: StopRequest = StopRequest.CANCEL, using: str = DEFAULT_DB_ALIAS
+) -> bool:
+    """End a queued or suspended run now (cancelled or interrupted), with its event and
+    archive; False if it is not queued or suspended."""
+    session_id = (
+        Run.objects.using(using).filter(pk=run_id).values_list("session_id", flat=True).first()
+    )
+    if session_id is None:
+        return False
+    status = _stopped_status(reason)
+    expected = Q(pk=run_id, status__in=[RunStatus.QUEUED, RunStatus.SUSPENDED])
+    ended = _end(
+        run_id,
+        session_id,
+        expected,
+        status,
+        extra={"cancel_requested": True, "stop_request": reason, "ready": True},
+        using=using,
+    )
+    if ended and reason == StopRequest.ROLLBACK:
+        remove_run_events(session_id, run_id, using=using)
+    return ended
+
+
+def cancel_leased(run_id: Any, *, using: str = DEFAULT_DB_ALIAS) -> bool:
+    """End a running run now as cancelled (event and archive), whatever its lease: its
+    worker's next write is refused. For operators and the scheduler protocol's cancel; the
+    API asks the worker instead (`cancel`), which also stops the run's jobs."""
+    session_id = (
+        Run.objects.using(using).filter(pk=run_id).values_list("session_id", flat=True).first()
+    )
+    if session_id is None:
+        return False
+    return _end(
+        run_id,
+        session_id,
+        Q(pk=run_id, status=RunStatus.RUNNING),
+        RunStatus.CANCELLED,
+        extra={"cancel_requested": True, "stop_request": StopRequest.CANCEL},
+        using=using,
+    )
+
+
+def cancel(run_id: Any, *, using: str = DEFAULT_DB_ALIAS) -> Run:
+    """Cancel a run: a queued or suspended one at once (``run.cancelled`` event and archive
+    in the same transaction), a running one through its worker at its next step — or, if
+    its worker is dead, by the reaper. Idempotent: a terminal run is answered unchanged."""
+    with transaction.atomic(using=using):
+        _stop(run_id, StopRequest.CANCEL, using=using)
+    run = Run.objects.using(using).filter(pk=run_id).first()
+    if run is None:
+        raise NotFoundError("run.not_found", "run not found")
+    return run
+
+
+def resume(run_id: Any, resolution: dict[str, Any], *, using: str = DEFAULT_DB_ALIAS) -> bool:
+    """A suspended run's reply: queued again (it keeps its session's turn), with the
+    resolution its next execution records once. False if it is no longer suspended."""
+    with transaction.atomic(using=using):
+        run = (
+            Run.objects.using(using)
+            .select_for_update()
+            .filter(pk=run_id, status=RunStatus.SUSPENDED)
+            .values("interaction")
+            .first()
+        )
+        if run is None:
+            return False
+        interaction = {**(run["interaction"] or {}), "resolution": resolution}
+        return (
+            Run.objects.using(using)
+            .filter(pk=run_id, status=RunStatus.SUSPENDED)
+            .update(status=RunStatus.QUEUED, available_at=Now(), interaction=interaction)
+            == 1
+        )
+
+
+# ------------------------------------------------------------------------------ worker side
+#
+# These run inside the session store's transaction, after the events they come with, so
+# the events and the run's new state commit (or roll back) together. Each re-checks the
+# fence with its own conditional UPDATE.
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """The first commit of an execution: a recorded resolution is consumed (a later requeue
+    does not emit ``interaction.resolved`` again)."""
+
+    point = "start"
+
+    fence: Fence
+    clear_resolution: bool = False
+
+    def __call__(self, using: str, clock: Clock = None) -> None:
+        if not self.clear_resolution:
+            return
+        if held(self.fence, using, clock).update(interaction=None) != 1:
+            raise FenceRejected(self.fence.run_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Suspend:
+    """Park the run as ``suspended`` with the interaction a reply resolves."""
+
+    point = "suspend"
+
+    fence: Fence
+    interaction: dict[str, Any]
+
+    def __call__(self, using: str, clock: Clock = None) -> None:
+        updated = held(self.fence, using, clock).update(
+            status=RunStatus.SUSPENDED,
+            interaction=self.interaction,
+            lease_owner="",
+            lease_expires_at=None,
+        )
+        if updated != 1:
+            raise FenceRejected(self.fence.run_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The terminal status, result and error, the archive row, and the session's next run
+    made ready — in the transaction of the terminal event."""
+
+    point = "finish"
+
+    fence: Fence
+    status: str
+    result: Any = None
+    error: Any = None
+    flow_outputs: dict[str, Any] | None = None
+    rollback: bool = False
+
+    def __call__(self, using: str, clock: Clock = None) -> bool:
+        updated = held(self.fence, using, clock).update(
+            status=self.status,
+            result=self.result,
+            error=self.error,
+            finished_at=now_expr(clock),
+            lease_owner="",
+            lease_expires_at=None,
+            interaction=None,
+            cancel_requested=self.status in (RunStatus.CANCELLED, RunStatus.INTERRUPTED),
+        )
+        if updated != 1:
+            raise FenceRejected(self.fence.run_id)
+        _archive(self.fence.run_id, using, self.flow_outputs)
+        session_id = (
+            Run.objects.using(using)
+            .filter(pk=self.fence.run_id)
+            .values_list("session_id", flat=True)
+            .get()
+        )
+        if self.rollback:
+            remove_run_events(session_id, self.fence.run_id, using=using)
+        _promote_next(session_id, using)
+        return self.rollback
+
+
+def remove_run_events(session_id: Any, run_id: Any, *, using: str = DEFAULT_DB_ALIAS) -> int:
+    """Remove a run's events from its session and renumber the later ones (multitask
+    rollback), under the session row's lock; returns how many were removed."""
+    persisted = (
+        Session.objects.using(using)
+        .select_for_update()
+        .values_list("persisted_events", flat=True)
+        .get(pk=session_id)
+    )
+    events = Event.objects.using(using).filter(session_id=session_id)
+    first = events.filter(run_id=run_id).order_by("seq").values_list("seq", flat=True).first()
+    if first is None:
+        return 0
+    later = list(events.filter(seq__gte=first).order_by("seq"))
+    removed = sum(1 for event in later if event.run_id == run_id)
+    events.filter(seq__gte=first).delete()
+    kept = [event for event in later if event.run_id != run_id]
+    for seq, event in enumerate(kept, start=first):
+        event.pk = None
+        event.seq = seq
+    Event.objects.using(using).bulk_create(kept)
+    Session.objects.using(using).filter(pk=session_id).update(
+        persisted_events=persisted - removed, updated_at=timezone.now()
+    )
+    return removed
+
+
+def finish(
+    fence: Fence,
+    status: str,
+    *,
+    result: Any = None,
+    error: Any = None,
+    using: str = DEFAULT_DB_ALIAS,
+    clock: Clock = None,
+) -> None:
+    """Finish a leased run outside the session store (its executor crashed, or the
+    scheduler protocol's ``release``): the terminal event is appended under the session
+    lock, then `Finish`, in one transaction. Raises ``scheduler.fence_rejected``."""
+    with transaction.atomic(using=using):
+        check_fence(fence, using=using, clock=clock)
+        session_id = (
+            Run.objects.using(using)
+            .filter(pk=fence.run_id)
+            .values_list("session_id", flat=True)
+            .get()
+        )
+        append_event(
+            session_id,
+            fence.run_id,
+            TERMINAL_EVENTS[status],
+            terminal_payload(status, result, error),
+            using=using,
+        )
+        Finish(fence, status, result, error)(using, clock)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outcome:
+    """How an execution ended, as the executor reports it to the dispatcher, which commits
+    it (`commit_spec`): a terminal status with its result or error, or ``suspended`` with
+    the interaction a reply resolves. ``rollback`` removes the run's events (multitask
+    rollback)."""
+
+    status: str
+    session_id: Any
+    result: Any = None
+    error: dict[str, Any] | None = None
+    flow_outputs: dict[str, Any] | None = None
+    interaction: dict[str, Any] | None = None
+    rollback: bool = False
+
+    def events(self) -> list[tuple[str, Any]]:
+        if self.status == RunStatus.SUSPENDED:
+            return [
+                ("run.suspended", {"code": (self.interaction or {}).get("code")}),
+                ("interaction.requested", self.interaction),
+            ]
+        return [
+            (TERMINAL_EVENTS[self.status], terminal_payload(self.status, self.result, self.error))
+        ]
+
+    def transition(self, fence: Fence) -> Suspend | Finish:
+        if self.status == RunStatus.SUSPENDED:
+            return Suspend(fence, dict(self.interaction or {}))
+        return Finish(
+            fence,
+            self.status,
+            self.result,
+            self.error,
+            self.flow_outputs,
+            rollback=self.rollback,
+        )
+
+
+def is_terminal(status: str) -> bool:
+    return status in TERMINAL_STATUSES
