@@ -85,6 +85,16 @@ def _stop_requests(run_ids: list[Any]) -> list[tuple[str, str]]:
     ]
 
 
+# The fences of every execution of this process's dispatchers, by run id: what a write made
+# for a run outside its execution (a job's event) must carry.
+_live_fences: dict[str, Fence] = {}
+
+
+def current_fence(run_id: Any) -> Fence | None:
+    """The fence of ``run_id`` if a dispatcher of this process is executing it, else None."""
+    return _live_fences.get(str(run_id))
+
+
 @dataclass(slots=True)
 class StopSignal:
     """Why the worker stopped an execution: ``cancelled``, ``interrupt``, ``rollback``
@@ -227,6 +237,7 @@ class Dispatcher:
         )
         execution = Execution(lease=lease, fence=fence, stop=stop, task=task)
         self.executions[lease.run_id] = execution
+        _live_fences[lease.run_id] = fence
         self.peak_active = max(self.peak_active, len(self.executions))
         execution.supervisor = asyncio.create_task(
             self._supervise(execution), name=f"supervise-{lease.run_id}"
@@ -241,6 +252,8 @@ class Dispatcher:
             renewer.cancel()
             await asyncio.gather(renewer, return_exceptions=True)
             self.executions.pop(execution.lease.run_id, None)
+            if _live_fences.get(execution.lease.run_id) is execution.fence:
+                del _live_fences[execution.lease.run_id]
             self._slot_freed.set()
             self.scheduler.notify()
 

@@ -49,7 +49,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
 from django.db.models import Count, DateTimeField, ExpressionWrapper, F, Q, Value, Window
 from django.db.models.functions import Coalesce, Now, RowNumber
 from django.utils import timezone
@@ -216,24 +216,44 @@ def append_event(
 ) -> int:
     """Append one event after the session's durable prefix (inside the caller's
     transaction, under the session row's lock); returns its seq."""
-    persisted = (
-        Session.objects.using(using)
-        .select_for_update()
-        .values_list("persisted_events", flat=True)
-        .get(pk=session_id)
-    )
-    seq = persisted + 1
-    Event.objects.using(using).create(
-        session_id=session_id,
-        seq=seq,
-        run_id=run_id,
-        type=event_type,
-        data=encode_payload(payload),
-    )
-    Session.objects.using(using).filter(pk=session_id).update(
-        persisted_events=seq, updated_at=timezone.now()
-    )
-    return seq
+    with transaction.atomic(using=using):
+        persisted = (
+            Session.objects.using(using)
+            .select_for_update()
+            .values_list("persisted_events", flat=True)
+            .get(pk=session_id)
+        )
+        seq = persisted + 1
+        Event.objects.using(using).create(
+            session_id=session_id,
+            seq=seq,
+            run_id=run_id,
+            type=event_type,
+            data=encode_payload(payload),
+        )
+        Session.objects.using(using).filter(pk=session_id).update(
+            persisted_events=seq, updated_at=timezone.now()
+        )
+        return seq
+
+
+def append_unleased_event(
+    session_id: Any, run_id: Any, event_type: str, payload: Any, *, using: str = DEFAULT_DB_ALIAS
+) -> int:
+    """Append an event of ``run_id`` written by someone who holds no lease of it (a job
+    that outlived its run's execution): accepted while the run is not running; while it is
+    running, only its lease holder may write (``scheduler.fence_rejected``)."""
+    with transaction.atomic(using=using):
+        status = (
+            Run.objects.using(using)
+            .select_for_update()
+            .filter(pk=run_id)
+            .values_list("status", flat=True)
+            .first()
+        )
+        if status == RunStatus.RUNNING:
+            raise FenceRejected(run_id)
+        return append_event(session_id, run_id, event_type, payload, using=using)
 
 
 def terminal_payload(status: str, result: Any, error: Any) -> dict[str, Any]:
@@ -381,12 +401,50 @@ def claim(
     Idle polling takes no lock (a frozen worker inside the claim transaction would stall
     every other worker's claims). The claim itself serializes on the fence-sequence row; on
     PostgreSQL a transaction left idle by a frozen process is ended after
-    ``CLAIM_IDLE_TIMEOUT_MS``. Dead leases are reaped first (see `reap`), except runs in
-    ``exclude`` (this process is writing for them).
+    ``CLAIM_IDLE_TIMEOUT_MS`` (MySQL: its connection is dropped). Dead leases are reaped
+    first (see `reap`), except runs in ``exclude``.
     """
+    kwargs = {
+        "worker_id": worker_id,
+        "duration": duration,
+        "order": order,
+        "max_active": max_active,
+        "per_tenant": per_tenant,
+        "queue": queue,
+        "limit": limit,
+        "exclude": exclude,
+        "max_crashes": max_crashes,
+        "using": using,
+        "clock": clock,
+    }
+    try:
+        return _claim_once(**kwargs)
+    except _FenceRowMissing:
+        _fence_rows.discard(using)
+        return _claim_once(**kwargs)
+
+
+def _claim_once(
+    *,
+    worker_id: str,
+    duration: timedelta,
+    order: ClaimOrder = ClaimOrder.FAIR,
+    max_active: int | None = None,
+    per_tenant: int | None = None,
+    queue: str | None = None,
+    limit: int = 1,
+    exclude: Iterable[str] = (),
+    max_crashes: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+    clock: Clock = None,
+) -> tuple[list[Grant], list[str]]:
+    """One attempt of `claim` (its transaction)."""
     db = using
-    if not Run.objects.using(db).filter(_claimable(queue, clock) | _dead_lease(clock)).exists():
+    stale_cancel = Q(status=RunStatus.QUEUED, cancel_requested=True)
+    work = _claimable(queue, clock) | _dead_lease(clock) | stale_cancel
+    if not Run.objects.using(db).filter(work).exists():
         return [], []
+    _ensure_fence_row(db)
     connection = connections[db]
     with _claim_guard(connection), transaction.atomic(using=db):
         if connection.vendor == "postgresql":
@@ -501,11 +559,29 @@ def _claim_guard(connection: Any) -> Iterator[None]:
             cursor.execute(f"SET SESSION wait_timeout = {int(previous)}")
 
 
+_fence_rows: set[str] = set()
+
+
+def _ensure_fence_row(db: str) -> None:
+    """Create the fence-sequence row once, outside any claim transaction (locking a row
+    that does not exist yet takes gap locks on MySQL, which deadlock concurrent claims)."""
+    if db in _fence_rows:
+        return
+    try:
+        FenceSequence.objects.using(db).get_or_create(pk=1, defaults={"value": 0})
+    except IntegrityError:  # another process created it first
+        pass
+    _fence_rows.add(db)
+
+
+class _FenceRowMissing(Exception):
+    """The fence-sequence table was emptied since this process created its row."""
+
+
 def _fence_row(db: str) -> FenceSequence:
     row = FenceSequence.objects.using(db).select_for_update().filter(pk=1).first()
     if row is None:
-        FenceSequence.objects.using(db).get_or_create(pk=1, defaults={"value": 0})
-        row = FenceSequence.objects.using(db).select_for_update().get(pk=1)
+        raise _FenceRowMissing
     return row
 
 
@@ -884,28 +960,29 @@ class Finish:
 def remove_run_events(session_id: Any, run_id: Any, *, using: str = DEFAULT_DB_ALIAS) -> int:
     """Remove a run's events from its session and renumber the later ones (multitask
     rollback), under the session row's lock; returns how many were removed."""
-    persisted = (
-        Session.objects.using(using)
-        .select_for_update()
-        .values_list("persisted_events", flat=True)
-        .get(pk=session_id)
-    )
-    events = Event.objects.using(using).filter(session_id=session_id)
-    first = events.filter(run_id=run_id).order_by("seq").values_list("seq", flat=True).first()
-    if first is None:
-        return 0
-    later = list(events.filter(seq__gte=first).order_by("seq"))
-    removed = sum(1 for event in later if event.run_id == run_id)
-    events.filter(seq__gte=first).delete()
-    kept = [event for event in later if event.run_id != run_id]
-    for seq, event in enumerate(kept, start=first):
-        event.pk = None
-        event.seq = seq
-    Event.objects.using(using).bulk_create(kept)
-    Session.objects.using(using).filter(pk=session_id).update(
-        persisted_events=persisted - removed, updated_at=timezone.now()
-    )
-    return removed
+    with transaction.atomic(using=using):
+        persisted = (
+            Session.objects.using(using)
+            .select_for_update()
+            .values_list("persisted_events", flat=True)
+            .get(pk=session_id)
+        )
+        events = Event.objects.using(using).filter(session_id=session_id)
+        first = events.filter(run_id=run_id).order_by("seq").values_list("seq", flat=True).first()
+        if first is None:
+            return 0
+        later = list(events.filter(seq__gte=first).order_by("seq"))
+        removed = sum(1 for event in later if event.run_id == run_id)
+        events.filter(seq__gte=first).delete()
+        kept = [event for event in later if event.run_id != run_id]
+        for seq, event in enumerate(kept, start=first):
+            event.pk = None
+            event.seq = seq
+        Event.objects.using(using).bulk_create(kept)
+        Session.objects.using(using).filter(pk=session_id).update(
+            persisted_events=persisted - removed, updated_at=timezone.now()
+        )
+        return removed
 
 
 def finish(

@@ -193,6 +193,36 @@ _TERMINAL_EVENT_TYPES = frozenset(_TERMINAL_EVENTS.values())
 _EVENT_STATES = {"job.created": JobState.CREATED, "job.started": JobState.RUNNING}
 
 
+async def append_job_event(
+    session_id: Any, run_id: Any, event_type: str, payload: Mapping[str, Any]
+) -> bool:
+    """Append a job's event to its run's session, fenced like every write of a run: with
+    the run's lease while this worker executes it; without one only while the run is not
+    running (a job that outlived its run). A worker that lost the run's lease writes
+    nothing (logged); returns whether the event was appended."""
+    from scheduling import runs
+    from scheduling.dispatcher import current_fence
+    from scheduling.scheduler import FenceRejected
+    from scheduling.store import append_events
+
+    fence = current_fence(run_id) if run_id else None
+    try:
+        if fence is not None:
+            await append_events(
+                session_id=session_id, run_id=run_id, events=[(event_type, payload)], fence=fence
+            )
+        else:
+            await db_call(runs.append_unleased_event, session_id, run_id, event_type, payload)
+    except FenceRejected:
+        logger.warning(
+            "job event %s of run %s rejected: this worker no longer holds the run",
+            event_type,
+            run_id,
+        )
+        return False
+    return True
+
+
 class JobEventRecorder:
     """``on_event`` for a job runtime: session events plus the ``JobRecord`` row.
 
@@ -225,14 +255,9 @@ class JobEventRecorder:
         ended_now = await db_call(_upsert_record_sync, snapshot, int(owner))
         if event_type in _TERMINAL_EVENT_TYPES and not ended_now:
             return False
-        from scheduling.store import append_events
-
-        await append_events(
-            session_id=session_id,
-            run_id=snapshot.owner_run_id,
-            events=[(event_type, job_event_payload(snapshot, data))],
+        return await append_job_event(
+            session_id, snapshot.owner_run_id, event_type, job_event_payload(snapshot, data)
         )
-        return True
 
     async def record_end(self, snapshot: JobSnapshot) -> bool:
         """Record a terminal ``snapshot`` observed outside the runtime's events (an operator

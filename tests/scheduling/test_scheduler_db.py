@@ -314,9 +314,14 @@ async def test_it_finds_a_tenant_behind_another_tenants_many_rows(rows: Rows):
     assert second.run_id == rows.runs["b0"]
 
 
-async def test_it_skips_runs_whose_cancellation_was_requested(rows: Rows):
-    rows.run("a", "alice", status=RunStatus.QUEUED, cancel_requested=True)
+async def test_it_ends_a_queued_run_whose_cancellation_was_requested(rows: Rows):
+    # Such a row (written by an older version) was skipped by claims and stayed queued for
+    # ever, counting against the pending limits; now the claim's reaping ends it.
+    run_id = rows.run("a", "alice", status=RunStatus.QUEUED, cancel_requested=True)
     assert await _claim(DatabaseScheduler()) is None
+    run = await Run.objects.aget(pk=run_id)
+    assert (run.status, run.error["code"]) == (RunStatus.CANCELLED, "run.cancelled")
+    assert [e.type async for e in Event.objects.filter(run_id=run_id)] == ["run.cancelled"]
 
 
 async def test_it_fails_runs_whose_crash_budget_is_used_up_with_event_and_archive(rows: Rows):

@@ -12,20 +12,50 @@ then oldest — the rule the database scheduler uses too) and ``oldest`` (plain 
 then oldest), each with a per-user limit equal to the slots (so the limit alone protects
 nobody) and with the default 8/2. Each line has every user's p50/p99 wait in ms and in run
 durations, and ``small_p99_runs``: the worst p99 of B-E divided by one run duration.
-P99 = sorted[min(n-1, int(0.99 n))].
+P99 = sorted[min(n-1, int(0.99 n))]. These lines carry ``backend: memory``.
+
+The same four scenarios then run on the configured database (``backend: database``,
+paths ``db_fair_8x8`` ...; same keys, plus ``database`` and ``db_overhead_ms``): five
+throwaway users; every run a queued ``Run`` row in its own session (so the
+one-run-per-session rule holds none back), A's inserted at the start, B-E's after the
+settle time (their queue wait counts from the commit of that insert, and the slots are
+woken as an in-process submit wakes them). Each slot is a claim loop as the worker's
+dispatcher runs it: `DatabaseScheduler.claim_many` (one run, the scenario's order and
+per-user limit, counted in the database), waiting for a release in this process (or a
+poll interval, 0.05 s doubling to 0.5 s) when nothing is claimable; the "execution" is the
+same seeded sleep, and the run ends through the state machine with
+``DatabaseScheduler.release(lease, "completed")`` (``runs.finish``: fence check, terminal
+event, status, archive, in one transaction). ``db_overhead_ms`` is the median of a slot's
+claim + release time per run. The database scenarios use ``--db-big`` big-user runs
+(default 200; the in-memory ones ``--big``), since a claim and a finish cost milliseconds
+each; ``--backend`` picks memory, database or both (default). The database path deletes
+its users and rows at the end and refuses to start while the database holds queued or
+running runs (its claims would take them): use a scratch database.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
 import orjson
 from django.core.management.base import BaseCommand, CommandError
+from django.db import connections
 
+from sageproject.db import db_call
+from scheduling.db_scheduler import DatabaseScheduler
+from scheduling.management.commands.bench_persist import (
+    bench_users,
+    delete_users,
+    queue_runs,
+    require_scratch_queue,
+)
+from scheduling.models import Run, RunStatus
 from scheduling.scheduler import (
     InMemoryScheduler,
     LeaseReleaseReason,
@@ -35,6 +65,9 @@ from scheduling.scheduler import (
 
 LEASE = timedelta(hours=1)
 SMALL_USERS = ("B", "C", "D", "E")
+USERS = ("A", *SMALL_USERS)
+# The dispatcher's idle wait between empty claims (scheduling.dispatcher).
+IDLE_START, IDLE_MAX = 0.05, 0.5
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -97,8 +130,36 @@ async def simulate(
         task.cancel()
     await asyncio.gather(*workers, return_exceptions=True)
 
+    return summarize(
+        path=f"{order}_{slots}x{per_user}",
+        backend="memory",
+        waits=waits,
+        order=order,
+        slots=slots,
+        per_user=per_user,
+        big=big,
+        small=small,
+        run_ms=run_ms,
+        jitter=jitter,
+    )
+
+
+def summarize(
+    *,
+    path: str,
+    backend: str,
+    waits: dict[str, list[float]],
+    order: str,
+    slots: int,
+    per_user: int,
+    big: int,
+    small: int,
+    run_ms: float,
+    jitter: float,
+) -> dict[str, Any]:
+    """A scenario's JSON line from every user's queue waits (seconds)."""
     figures = {}
-    for user in ("A", *SMALL_USERS):
+    for user in USERS:
         values = waits[user]
         p50, p99 = percentile(values, 0.5), percentile(values, 0.99)
         figures[user] = {
@@ -110,7 +171,8 @@ async def simulate(
         }
     small_p99 = max(figures[u]["p99_ms"] for u in SMALL_USERS)
     return {
-        "path": f"{order}_{slots}x{per_user}",
+        "path": path,
+        "backend": backend,
         "order": order,
         "slots": slots,
         "per_user_limit": per_user,
@@ -124,37 +186,165 @@ async def simulate(
     }
 
 
+async def simulate_db(
+    *,
+    owners: dict[str, Any],
+    order: str,
+    slots: int,
+    per_user: int,
+    big: int,
+    small: int,
+    run_ms: float,
+    jitter: float,
+    settle: float,
+    seed: int,
+) -> dict[str, Any]:
+    """One scenario on the configured database; returns its JSON figures."""
+    rng = random.Random(seed)
+    scheduler = DatabaseScheduler(max_pending_items=big + small * len(SMALL_USERS) + 1)
+    policy = SchedulerClaimPolicy(max_active_per_tenant=per_user, order=order)
+    clock = time.perf_counter
+    user_of = {str(owner.pk): name for name, owner in owners.items()}
+    submitted: dict[str, float] = {}
+    waits: dict[str, list[float]] = {}
+    overheads: list[float] = []
+    total = big + small * len(SMALL_USERS)
+    done = asyncio.Event()
+    finished = 0
+
+    def insert(batch: list[tuple[str, int]]) -> list[str]:
+        return [str(run) for user, count in batch for run, _ in queue_runs(owners[user], count)]
+
+    async def submit(batch: list[tuple[str, int]]) -> None:
+        run_ids = await db_call(insert, batch)
+        now = clock()  # queued (visible to claims) from the insert's commit on
+        submitted.update(dict.fromkeys(run_ids, now))
+        scheduler.notify()
+
+    async def worker(name: str) -> None:
+        nonlocal finished
+        idle = IDLE_START
+        while finished < total:
+            started = clock()
+            leases = await scheduler.claim_many(name, lease_duration=LEASE, limit=1, policy=policy)
+            if not leases:
+                await scheduler.wait_for_change(idle)
+                idle = min(idle * 2, IDLE_MAX)
+                continue
+            idle = IDLE_START
+            lease = leases[0]
+            claimed = clock()
+            overhead = claimed - started
+            user = user_of[lease.work.tenant_id or ""]
+            waits.setdefault(user, []).append(claimed - submitted[lease.run_id])
+            duration = run_ms * (1 + rng.uniform(-jitter, jitter)) / 1000
+            await asyncio.sleep(duration)
+            started = clock()
+            await scheduler.release(lease, LeaseReleaseReason.COMPLETED)
+            overheads.append(overhead + clock() - started)
+            finished += 1
+            if finished == total:
+                done.set()
+
+    await submit([("A", big)])
+    workers = [asyncio.create_task(worker(f"bench-{uuid.uuid4().hex[:6]}")) for _ in range(slots)]
+    try:
+        await asyncio.sleep(settle * run_ms / 1000)
+        await submit([(user, small) for user in SMALL_USERS])
+        await done.wait()
+    finally:
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        await scheduler.close()
+    completed = await db_call(
+        lambda: Run.objects.filter(pk__in=list(submitted), status=RunStatus.COMPLETED).count()
+    )
+    assert completed == total, f"{total - completed} run(s) did not complete"
+    line = summarize(
+        path=f"db_{order}_{slots}x{per_user}",
+        backend="database",
+        waits=waits,
+        order=order,
+        slots=slots,
+        per_user=per_user,
+        big=big,
+        small=small,
+        run_ms=run_ms,
+        jitter=jitter,
+    )
+    line["database"] = connections["default"].vendor
+    line["db_overhead_ms"] = round(statistics.median(overheads) * 1000, 2)
+    return line
+
+
 class Command(BaseCommand):
-    help = "Queue waits of four small users behind one big user: fair vs oldest-first order."
+    help = (
+        "Queue waits of four small users behind one big user: fair vs oldest-first order, "
+        "in memory and on the configured database."
+    )
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--slots", type=int, default=8)
         parser.add_argument("--big", type=int, default=500)
+        parser.add_argument(
+            "--db-big", type=int, default=200, help="the big user's runs on the database"
+        )
         parser.add_argument("--small", type=int, default=5)
         parser.add_argument("--run-ms", type=float, default=20.0)
         parser.add_argument("--jitter", type=float, default=0.25)
         parser.add_argument("--settle", type=float, default=3.0)
         parser.add_argument("--seed", type=int, default=7)
+        parser.add_argument(
+            "--backend",
+            choices=("memory", "database", "both"),
+            default="both",
+            help="memory: InMemoryScheduler; database: DatabaseScheduler; both (default)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         slots = options["slots"]
-        if slots < 1 or options["big"] < 1 or options["small"] < 1 or options["run_ms"] <= 0:
-            raise CommandError("slots, big, small and run-ms must be positive")
+        if (
+            slots < 1
+            or options["big"] < 1
+            or options["db_big"] < 1
+            or options["small"] < 1
+            or options["run_ms"] <= 0
+        ):
+            raise CommandError("slots, big, db-big, small and run-ms must be positive")
         if not 0 <= options["jitter"] < 1:
             raise CommandError("jitter must be in [0, 1)")
-        for per_user in (slots, min(2, slots)):
-            for order in ("fair", "oldest"):
+        backend = options["backend"]
+        scenario = {
+            key: options[key] for key in ("slots", "small", "run_ms", "jitter", "settle", "seed")
+        }
+        limits = [
+            (per_user, order) for per_user in (slots, min(2, slots)) for order in ("fair", "oldest")
+        ]
+        if backend in ("memory", "both"):
+            for per_user, order in limits:
                 line = asyncio.run(
-                    simulate(
-                        order=order,
-                        slots=slots,
-                        per_user=per_user,
-                        big=options["big"],
-                        small=options["small"],
-                        run_ms=options["run_ms"],
-                        jitter=options["jitter"],
-                        settle=options["settle"],
-                        seed=options["seed"],
-                    )
+                    simulate(order=order, per_user=per_user, big=options["big"], **scenario)
                 )
-                self.stdout.write(orjson.dumps(line).decode())
+                self._emit(line)
+        if backend in ("database", "both"):
+            require_scratch_queue()
+            owners = bench_users(USERS)
+            try:
+                for per_user, order in limits:
+                    line = asyncio.run(
+                        simulate_db(
+                            owners=owners,
+                            order=order,
+                            per_user=per_user,
+                            big=options["db_big"],
+                            **scenario,
+                        )
+                    )
+                    self._emit(line)
+            finally:
+                delete_users(owners.values())
+
+    def _emit(self, line: dict[str, Any]) -> None:
+        self.stdout.write(orjson.dumps(line).decode())
+        self.stdout.flush()

@@ -1,4 +1,4 @@
-"""``manage.py bench_persist``: event commits against the configured database.
+"""``manage.py bench_persist``: fenced event commits against the configured database.
 
 Two measurements, one JSON line each (progress on stderr):
 
@@ -8,7 +8,17 @@ Two measurements, one JSON line each (progress on stderr):
   all at once, with group commit on and off and with 1 and W writers. Every commit is
   durable when its caller is answered.
 
-It creates its own user and sessions and deletes them at the end.
+Every commit is fenced as the worker's are: each session has one running run, claimed
+through the Run state machine (``runs.claim``, a one-hour lease on the database's clock),
+and every commit carries that run's `Fence`, so the writer re-checks owner, token and an
+unexpired lease inside the commit's transaction (``fenced: true`` on every line).
+
+It creates its own throwaway user (``bench-<hex>``), sessions and runs and deletes them at
+the end. Because its claims take any queued run, it refuses to start while the database
+holds queued or running runs: run it against a scratch database.
+
+The row helpers here (users, one run per session, the scratch-queue check, clean-up) are
+shared by ``bench_single_host`` and ``bench_fairness``.
 """
 
 from __future__ import annotations
@@ -18,7 +28,8 @@ import statistics
 import sys
 import time
 import uuid
-from datetime import UTC, datetime
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
@@ -26,15 +37,91 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
-from scheduling.models import Event, Session
+from scheduling import runs
+from scheduling.models import Event, Run, RunStatus, Session
+from scheduling.runs import Fence
 from scheduling.store import SessionStoreCoordinator
 
 PAYLOAD = {"role": "assistant", "content": "ok, done: the order ships tomorrow.", "n": 1}
 SEED_BATCH = 5000
+LEASE = timedelta(hours=1)
 
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ rows (shared helpers)
+
+
+def require_scratch_queue() -> None:
+    """Refuse to run while the database holds queued or running runs: the benchmarks'
+    claims would take (and finish) them, and their figures would include them."""
+    live = Run.objects.filter(status__in=[RunStatus.QUEUED, RunStatus.RUNNING]).count()
+    if live:
+        raise CommandError(
+            f"the database holds {live} queued or running run(s), which the benchmark's "
+            "claims would take: run it against a scratch database (DATABASE_URL), or "
+            "delete the users named bench-* a killed benchmark left behind"
+        )
+
+
+def bench_users(names: Iterable[str]) -> dict[str, Any]:
+    """Throwaway users ``bench-<hex>-<name>`` (deleted by `delete_users`)."""
+    User = get_user_model()
+    tag = uuid.uuid4().hex[:8]
+    return {
+        name: User._default_manager.create(**{User.USERNAME_FIELD: f"bench-{tag}-{name}"})
+        for name in names
+    }
+
+
+def queue_runs(owner: Any, count: int) -> list[tuple[uuid.UUID, uuid.UUID]]:
+    """``count`` sessions of ``owner``, each with one queued, ready run (a run per session,
+    so the one-run-per-session rule never holds one back); returns ``(run_id,
+    session_id)`` pairs in submission order (``created_at`` increases with it).
+
+    Rows are inserted directly: admission (``runs.admit``) is not what is measured, and its
+    per-user pending limit would refuse a big user's flood.
+    """
+    sessions = Session.objects.bulk_create(
+        [
+            Session(owner=owner, package_ref="bench", package_name="bench", agent_id="bench")
+            for _ in range(count)
+        ]
+    )
+    rows = Run.objects.bulk_create(
+        [Run(session=session, owner=owner, input="bench", ready=True) for session in sessions]
+    )
+    return [(run.pk, run.session_id) for run in rows]
+
+
+def delete_users(users: Iterable[Any]) -> None:
+    """Delete the benchmark's users with their sessions, events, runs and archives."""
+    ids = [user.pk for user in users]
+    Event.objects.filter(session__owner__in=ids).delete()
+    get_user_model()._default_manager.filter(pk__in=ids).delete()
+
+
+def claim_fences(owner: Any, session_ids: list[Any]) -> dict[Any, Fence]:
+    """One running run per session, claimed through the state machine with a live lease;
+    returns each session's `Fence`."""
+    created = Run.objects.bulk_create(
+        [Run(session_id=s, owner=owner, input="bench", ready=True) for s in session_ids]
+    )
+    run_session = {run.pk: run.session_id for run in created}
+    worker = f"bench-persist-{uuid.uuid4().hex[:6]}"
+    grants, _ = runs.claim(worker_id=worker, duration=LEASE, limit=len(run_session))
+    fences = {
+        run_session[grant.row["pk"]]: Fence(
+            run_id=grant.row["pk"], lease_owner=worker, lease_token=grant.token
+        )
+        for grant in grants
+        if grant.row["pk"] in run_session
+    }
+    if len(fences) != len(session_ids):
+        raise CommandError(f"claimed {len(fences)} of {len(session_ids)} runs")
+    return fences
 
 
 def seed_session(owner: Any, events: int) -> Session:
@@ -57,8 +144,19 @@ def seed_session(owner: Any, events: int) -> Session:
     return session
 
 
-async def append_one(session_ids: list[Any], commits: int) -> list[list[float]]:
-    """Per session, the wall time of each of ``commits`` one-event commits.
+async def fenced_commit(
+    coordinator: SessionStoreCoordinator, session_id: Any, fence: Fence
+) -> None:
+    """One one-event commit, fenced by the session's run as the worker's are."""
+    await coordinator.commit(
+        session_id, run_id=fence.run_id, drafts=[("message", PAYLOAD)], fence=fence
+    )
+
+
+async def append_one(
+    session_ids: list[Any], fences: dict[Any, Fence], commits: int
+) -> list[list[float]]:
+    """Per session, the wall time of each of ``commits`` fenced one-event commits.
 
     The sessions take turns (one commit each per round) so that drift in the machine's
     load falls on every history length alike.
@@ -67,12 +165,12 @@ async def append_one(session_ids: list[Any], commits: int) -> list[list[float]]:
     try:
         for session_id in session_ids:
             await coordinator.history(session_id)  # opening (loading N events) is not timed
-            await coordinator.commit(session_id, drafts=[("message", PAYLOAD)])  # warm-up
+            await fenced_commit(coordinator, session_id, fences[session_id])  # warm-up
         timings: list[list[float]] = [[] for _ in session_ids]
         for _ in range(commits):
             for index, session_id in enumerate(session_ids):
                 started = time.perf_counter()
-                await coordinator.commit(session_id, drafts=[("message", PAYLOAD)])
+                await fenced_commit(coordinator, session_id, fences[session_id])
                 timings[index].append(time.perf_counter() - started)
         return timings
     finally:
@@ -94,7 +192,12 @@ def settle_statistics() -> None:
 
 
 async def concurrent(
-    session_ids: list[Any], *, commits: int, writers: int, group_commit: bool
+    session_ids: list[Any],
+    fences: dict[Any, Fence],
+    *,
+    commits: int,
+    writers: int,
+    group_commit: bool,
 ) -> dict[str, Any]:
     coordinator = SessionStoreCoordinator(writers=writers, group_commit=group_commit)
     try:
@@ -103,7 +206,7 @@ async def concurrent(
 
         async def one_session(session_id: Any) -> None:
             for _ in range(commits):
-                await coordinator.commit(session_id, drafts=[("message", PAYLOAD)])
+                await fenced_commit(coordinator, session_id, fences[session_id])
 
         before = coordinator.snapshot()
         started = time.perf_counter()
@@ -149,17 +252,16 @@ class Command(BaseCommand):
             raise CommandError("--events takes comma-separated integers") from None
         if not sizes or min(sizes) < 1 or options["commits"] < 1 or options["sessions"] < 1:
             raise CommandError("events, commits and sessions must be positive")
+        if options["commits_per_session"] < 1 or options["writers"] < 1:
+            raise CommandError("commits-per-session and writers must be positive")
+        require_scratch_queue()
         database = connections["default"].vendor
-        User = get_user_model()
-        owner, _ = User._default_manager.get_or_create(
-            **{User.USERNAME_FIELD: f"bench-{uuid.uuid4().hex[:8]}"}
-        )
+        owner = bench_users(["persist"])["persist"]
         try:
             self._run(owner, database, sizes, options)
         finally:
             progress("cleaning up")
-            Session.objects.filter(owner=owner).delete()
-            owner.delete()
+            delete_users([owner])
 
     def _emit(self, line: dict[str, Any]) -> None:
         self.stdout.write(orjson.dumps(line).decode())
@@ -170,9 +272,14 @@ class Command(BaseCommand):
         for size in sizes:
             progress(f"seeding a session with {size} events")
             seeded.append(seed_session(owner, size).id)
+        sessions = [seed_session(owner, 0).id for _ in range(options["sessions"])]
+        progress(
+            f"claiming a run (a live lease) for each of {len(seeded) + len(sessions)} sessions"
+        )
+        fences = claim_fences(owner, seeded + sessions)
         settle_statistics()
-        progress(f"timing {options['commits']} one-event commits per history length")
-        all_timings = asyncio.run(append_one(seeded, options["commits"]))
+        progress(f"timing {options['commits']} fenced one-event commits per history length")
+        all_timings = asyncio.run(append_one(seeded, fences, options["commits"]))
         first_median = None
         for size, timings in zip(sizes, all_timings, strict=True):
             median = statistics.median(timings) * 1000
@@ -183,6 +290,7 @@ class Command(BaseCommand):
                 {
                     "path": "append_one",
                     "database": database,
+                    "fenced": True,
                     "events": size,
                     "commits": options["commits"],
                     "median_ms": round(median, 3),
@@ -190,7 +298,6 @@ class Command(BaseCommand):
                     "ratio_vs_first": round(median / first_median, 3),
                 }
             )
-        sessions = [seed_session(owner, 0).id for _ in range(options["sessions"])]
         results: dict[tuple[bool, int], float] = {}
         for writers in sorted({1, options["writers"]}):
             for group_commit in (False, True):
@@ -200,6 +307,7 @@ class Command(BaseCommand):
                 figures = asyncio.run(
                     concurrent(
                         sessions,
+                        fences,
                         commits=options["commits_per_session"],
                         writers=writers,
                         group_commit=group_commit,
@@ -210,6 +318,7 @@ class Command(BaseCommand):
                     {
                         "path": "concurrent",
                         "database": database,
+                        "fenced": True,
                         "sessions": len(sessions),
                         "commits_per_session": options["commits_per_session"],
                         "group_commit": group_commit,
@@ -222,6 +331,7 @@ class Command(BaseCommand):
                 {
                     "path": "group_commit_speedup",
                     "database": database,
+                    "fenced": True,
                     "writers": writers,
                     "ratio": round(results[(True, writers)] / results[(False, writers)], 2),
                 }

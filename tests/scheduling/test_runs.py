@@ -1,0 +1,372 @@
+"""The Run state machine (``scheduling.runs``) on real rows, transition by transition."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import transaction
+from django.utils import timezone
+
+from agents import services
+from agents.models import ManagedAgentRecord
+from sageproject.dblocks import named_lock
+from sageproject.errors import ConflictError
+from scheduling import runs
+from scheduling.models import Event, Run, RunStatus, Session
+from scheduling.runs import Fence, Finish, Outcome, Start
+from scheduling.scheduler import FenceRejected
+from scheduling.store import append_events, close_default_coordinator
+
+pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
+
+LEASE = timedelta(seconds=30)
+
+
+def submit(owner, session: Session, text: str = "hi", **kw: Any) -> Run:
+    run, created = runs.admit(
+        owner=owner, session=session, input=text, lock=lambda: named_lock("t"), **kw
+    )
+    assert created
+    return run
+
+
+def claim_one(worker: str = "w", **kw: Any) -> Fence | None:
+    grants, _ = runs.claim(worker_id=worker, duration=LEASE, **kw)
+    if not grants:
+        return None
+    grant = grants[0]
+    return Fence(run_id=grant.row["pk"], lease_owner=worker, lease_token=grant.token)
+
+
+def finish(fence: Fence, status: str = RunStatus.COMPLETED, **kw: Any) -> None:
+    runs.finish(fence, status, result={"text": "done"} if status == "completed" else None, **kw)
+
+
+def types(run: Run | Any) -> list[str]:
+    run_id = run.pk if isinstance(run, Run) else run
+    return list(Event.objects.filter(run_id=run_id).order_by("seq").values_list("type", flat=True))
+
+
+def expire(fence: Fence) -> None:
+    Run.objects.filter(pk=fence.run_id).update(
+        lease_expires_at=timezone.now() - timedelta(seconds=1)
+    )
+
+
+@pytest.fixture(autouse=True)
+def _limits(settings):
+    settings.SAGE = {
+        **settings.SAGE,
+        "SAGE_SERVER_MAX_PENDING_RUNS": 100,
+        "SAGE_SERVER_MAX_PENDING_RUNS_PER_USER": 100,
+    }
+
+
+# ------------------------------------------------------------------ one run per session
+
+
+def test_a_session_runs_its_runs_one_at_a_time_in_order(alice, make_session):
+    session = make_session(alice)
+    first, second, third = (submit(alice, session, f"t{i}") for i in range(3))
+    assert [r.ready for r in (first, second, third)] == [True, False, False]
+    fence = claim_one()
+    assert str(fence.run_id) == str(first.pk)
+    # The session is busy: nothing else of it may start, under any per-user limit.
+    assert claim_one("w2") is None
+    finish(fence)
+    assert Run.objects.get(pk=second.pk).ready is True
+    fence = claim_one()
+    assert str(fence.run_id) == str(second.pk)
+    assert claim_one("w2") is None
+
+
+def test_a_claim_takes_runs_of_different_sessions_in_one_transaction(alice, bob, make_session):
+    sessions = [make_session(alice), make_session(alice), make_session(bob)]
+    made = [submit(s.owner, s) for s in sessions for _ in range(2)]
+    grants, _ = runs.claim(worker_id="w", duration=LEASE, limit=10)
+    claimed = {str(g.row["pk"]) for g in grants}
+    # One per session (the session's oldest), each with its own token.
+    assert claimed == {str(made[0].pk), str(made[2].pk), str(made[4].pk)}
+    assert len({g.token for g in grants}) == 3
+
+
+def test_a_suspended_run_keeps_its_sessions_turn(alice, make_session):
+    session = make_session(alice)
+    first, second = submit(alice, session), submit(alice, session)
+    fence = claim_one()
+    with transaction.atomic():
+        runs.check_fence(fence)
+        runs.Suspend(fence, {"id": "i1", "type": "retry", "allowed_decisions": ["retry"]})(
+            "default"
+        )
+    assert Run.objects.get(pk=first.pk).status == RunStatus.SUSPENDED
+    assert claim_one() is None  # the second waits for the first to end
+    assert runs.resume(first.pk, {"interaction_id": "i1", "decision": "retry"})
+    assert str(claim_one().run_id) == str(first.pk)
+    assert Run.objects.get(pk=second.pk).ready is False
+
+
+# ------------------------------------------------------------------ multitask
+
+
+def test_reject_refuses_a_run_while_the_session_is_busy(alice, make_session):
+    session = make_session(alice)
+    submit(alice, session)
+    with pytest.raises(ConflictError) as info:
+        submit(alice, session, multitask="reject")
+    assert info.value.code == "session.busy"
+    assert Run.objects.filter(session=session).count() == 1
+
+
+def test_interrupt_ends_a_queued_run_now_and_asks_a_running_one_to_stop(alice, make_session):
+    session = make_session(alice)
+    running = submit(alice, session)
+    fence = claim_one()
+    waiting = submit(alice, session)
+    newest = submit(alice, session, multitask="interrupt")
+    waiting.refresh_from_db()
+    running.refresh_from_db()
+    assert (waiting.status, waiting.error["code"]) == (RunStatus.INTERRUPTED, "run.interrupted")
+    assert types(waiting) == ["run.interrupted"]
+    assert ManagedAgentRecord.objects.get(run=waiting).status == RunStatus.INTERRUPTED
+    assert (running.status, running.cancel_requested, running.stop_request) == (
+        RunStatus.RUNNING,
+        True,
+        "interrupt",
+    )
+    assert newest.ready is False
+    # The worker ends the running one as interrupted; the new run is next.
+    outcome = Outcome(
+        status=RunStatus.INTERRUPTED,
+        session_id=session.pk,
+        error={"code": "run.interrupted"},
+    )
+    with transaction.atomic():
+        runs.check_fence(fence)
+        outcome.transition(fence)("default")
+    assert Run.objects.get(pk=newest.pk).ready is True
+
+
+def test_rollback_removes_the_interrupted_runs_events(alice, make_session):
+    session = make_session(alice)
+    old = submit(alice, session)
+    fence = claim_one()
+
+    async def work() -> None:
+        await append_events(
+            session_id=session.pk,
+            run_id=old.pk,
+            events=[("run.started", {}), ("message.completed", {"role": "user", "content": "x"})],
+            fence=fence,
+            transition=Start(fence),
+        )
+        await close_default_coordinator()
+
+    import asyncio
+
+    asyncio.run(work())
+    new = submit(alice, session, multitask="rollback")
+    old.refresh_from_db()
+    assert (old.cancel_requested, old.stop_request) == (True, "rollback")
+    finish(fence, RunStatus.INTERRUPTED)  # the worker's end of it (events kept here)
+    assert Event.objects.filter(session=session).count() == 3
+    runs.remove_run_events(session.pk, old.pk)
+    assert Event.objects.filter(session=session).count() == 0
+    assert Session.objects.get(pk=session.pk).persisted_events == 0
+    assert Run.objects.get(pk=new.pk).ready is True
+
+
+def test_rollback_of_a_suspended_run_removes_its_events_and_renumbers(alice, make_session):
+    session = make_session(alice)
+    first = submit(alice, session)
+    fence = claim_one()
+    finish(fence)  # run.completed at seq 1
+    second = submit(alice, session)
+    fence = claim_one()
+    with transaction.atomic():
+        runs.append_event(session.pk, second.pk, "run.started", {})
+        runs.check_fence(fence)
+        runs.Suspend(fence, {"id": "i", "allowed_decisions": ["retry"]})("default")
+    submit(alice, session, multitask="rollback")
+    assert types(second) == []
+    assert list(
+        Event.objects.filter(session=session).order_by("seq").values_list("seq", "run_id")
+    ) == [(1, first.pk)]
+    assert Run.objects.get(pk=second.pk).status == RunStatus.INTERRUPTED
+
+
+# ------------------------------------------------------------------ crash budget
+
+
+def test_suspensions_and_graceful_restarts_do_not_use_the_crash_budget(alice, make_session):
+    session = make_session(alice)
+    run = submit(alice, session)
+    for _ in range(3):  # three suspend → retry cycles
+        fence = claim_one()
+        with transaction.atomic():
+            runs.Suspend(fence, {"id": "i", "allowed_decisions": ["retry"]})("default")
+        assert runs.resume(run.pk, {"decision": "retry"})
+    for _ in range(2):  # two SIGTERM restarts
+        fence = claim_one()
+        assert runs.requeue(fence, error={"code": "scheduler.worker_shutdown"})
+    fence = claim_one()
+    expire(fence)  # then one crash
+    assert runs.reap(max_crashes=3) == [str(run.pk)]
+    run.refresh_from_db()
+    assert (run.status, run.attempts, run.crashes) == (RunStatus.QUEUED, 6, 1)
+    fence = claim_one()
+    finish(fence)
+    assert Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED
+
+
+def test_the_third_crash_fails_the_run_with_its_event_and_archive(alice, make_session):
+    session = make_session(alice)
+    run = submit(alice, session)
+    later = submit(alice, session)
+    for _ in range(3):
+        fence = claim_one()
+        expire(fence)
+        runs.reap(max_crashes=3)
+    run.refresh_from_db()
+    assert (run.status, run.crashes, run.error["code"]) == (
+        RunStatus.FAILED,
+        3,
+        "execution.worker_restarted",
+    )
+    assert types(run) == ["run.failed"]
+    assert ManagedAgentRecord.objects.get(run=run).status == RunStatus.FAILED
+    assert Run.objects.get(pk=later.pk).ready is True  # the session moves on
+
+
+# ------------------------------------------------------------------ cancel
+
+
+def test_cancel_ends_a_queued_run_with_its_event_and_archive(alice, make_session):
+    session = make_session(alice)
+    run = submit(alice, session)
+    after = submit(alice, session)
+    cancelled = services.run_cancel(run=run)
+    assert (cancelled.status, cancelled.error["code"]) == (RunStatus.CANCELLED, "run.cancelled")
+    assert types(run) == ["run.cancelled"]
+    assert ManagedAgentRecord.objects.get(run=run).status == RunStatus.CANCELLED
+    assert Run.objects.get(pk=after.pk).ready is True
+    # Idempotent.
+    assert services.run_cancel(run=run).status == RunStatus.CANCELLED
+    assert types(run) == ["run.cancelled"]
+
+
+def test_cancel_of_a_running_run_whose_worker_died_is_finished_by_the_reaper(alice, make_session):
+    session = make_session(alice)
+    run = submit(alice, session)
+    fence = claim_one()
+    services.run_cancel(run=run)
+    assert Run.objects.get(pk=run.pk).status == RunStatus.RUNNING  # its worker ends it...
+    expire(fence)  # ...but the worker died
+    assert runs.reap(max_crashes=3) == [str(run.pk)]
+    run.refresh_from_db()
+    assert (run.status, run.error["code"]) == (RunStatus.CANCELLED, "run.cancelled")
+    assert types(run) == ["run.cancelled"]
+    assert ManagedAgentRecord.objects.get(run=run).status == RunStatus.CANCELLED
+    # It no longer counts against the pending limits.
+    assert not Run.objects.filter(status=RunStatus.QUEUED).exists()
+
+
+# ------------------------------------------------------------------ fences
+
+
+def test_a_finish_under_a_stale_fence_writes_nothing(alice, make_session):
+    session = make_session(alice)
+    run = submit(alice, session)
+    fence = claim_one()
+    expire(fence)
+    runs.reap()
+    new_fence = claim_one("w2")
+    with pytest.raises(FenceRejected):
+        finish(fence)
+    assert types(run) == []
+    finish(new_fence)
+    assert types(run) == ["run.completed"]
+    assert Run.objects.get(pk=run.pk).lease_token is not None
+
+
+def test_finish_writes_status_result_event_and_archive_in_one_transaction(alice, make_session):
+    session = make_session(alice)
+    run = submit(alice, session)
+    fence = claim_one()
+
+    class Boom(Exception):
+        pass
+
+    def archiver_fails(run: Run, flow_outputs: Any) -> None:
+        raise Boom
+
+    previous = runs._archiver
+    runs.set_archiver(archiver_fails)
+    try:
+        with pytest.raises(Boom):
+            finish(fence)
+    finally:
+        runs.set_archiver(previous)
+    run.refresh_from_db()
+    # Nothing of the finish landed: no event, still running under the same lease.
+    assert (run.status, run.result, types(run)) == (RunStatus.RUNNING, None, [])
+    finish(fence)
+    run.refresh_from_db()
+    assert run.status == RunStatus.COMPLETED
+    event = Event.objects.get(run=run)
+    assert event.payload["result"] == run.result == ManagedAgentRecord.objects.get(run=run).result
+
+
+def test_start_consumes_a_resolution_so_a_later_requeue_does_not_repeat_it(alice, make_session):
+    session = make_session(alice)
+    run = submit(alice, session)
+    fence = claim_one()
+    with transaction.atomic():
+        runs.Suspend(fence, {"id": "i", "allowed_decisions": ["retry"]})("default")
+    runs.resume(run.pk, {"interaction_id": "i", "decision": "retry"})
+    assert Run.objects.get(pk=run.pk).interaction["resolution"]["decision"] == "retry"
+    fence = claim_one()
+    with transaction.atomic():
+        Start(fence, clear_resolution=True)("default")
+    assert Run.objects.get(pk=run.pk).interaction is None
+
+
+def test_a_job_event_without_the_runs_lease_is_refused_while_it_runs(alice, make_session):
+    session = make_session(alice)
+    run = submit(alice, session)
+    claim_one("other-worker")
+    with pytest.raises(FenceRejected):
+        runs.append_unleased_event(session.pk, run.pk, "job.completed", {})
+    assert types(run) == []
+
+
+async def test_a_stale_workers_job_event_is_rejected(alice, make_session):
+    from asgiref.sync import sync_to_async
+
+    from agents.jobs.glue import append_job_event
+    from scheduling import dispatcher
+
+    session = await sync_to_async(make_session)(alice)
+    run = await sync_to_async(submit)(alice, session)
+    stale = await sync_to_async(claim_one)("this-worker")
+    await sync_to_async(expire)(stale)
+    await sync_to_async(runs.reap)()
+    await sync_to_async(claim_one)("other-worker")
+    dispatcher._live_fences[str(run.pk)] = stale  # this worker still believes it holds it
+    try:
+        assert not await append_job_event(session.pk, run.pk, "job.completed", {"id": "j"})
+    finally:
+        dispatcher._live_fences.pop(str(run.pk), None)
+        await close_default_coordinator()
+    assert not await Event.objects.filter(run_id=run.pk).aexists()
+
+
+def test_finish_transition_refuses_an_expired_lease(alice, make_session):
+    session = make_session(alice)
+    submit(alice, session)
+    fence = claim_one()
+    expire(fence)
+    with pytest.raises(FenceRejected), transaction.atomic():
+        Finish(fence, RunStatus.COMPLETED, {"text": "x"})("default")
