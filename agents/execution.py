@@ -62,6 +62,7 @@ from pooling.providers.base import ModelRequest
 from sageproject.db import db_call
 from sageproject.errors import ErrorCategory, NotFoundError, SageError
 from scheduling.dispatcher import StopSignal
+from scheduling.leases import FenceRejected
 from scheduling.models import (
     TERMINAL_STATUSES,
     UNFINISHED_STATUSES,
@@ -72,7 +73,6 @@ from scheduling.models import (
     run_interrupted_error,
 )
 from scheduling.runs import Fence, Outcome, Start
-from scheduling.scheduler import FenceRejected
 from scheduling.store import append_events, get_default_coordinator
 
 logger = logging.getLogger("sage.execution")

@@ -33,9 +33,7 @@ from django.db import transaction
 from sageproject.db import db_call
 from sageproject.errors import NotFoundError
 from scheduling import runs
-from scheduling.models import TERMINAL_STATUSES, Run, RunStatus
-from scheduling.runs import Fence, Grant
-from scheduling.scheduler import (
+from scheduling.leases import (
     FenceRejected,
     LeaseExpired,
     LeaseReleaseReason,
@@ -52,6 +50,8 @@ from scheduling.scheduler import (
     queue_full_error,
     work_id_conflict_error,
 )
+from scheduling.models import TERMINAL_STATUSES, Run, RunStatus
+from scheduling.runs import Fence, Grant
 
 logger = logging.getLogger("sage.scheduler")
 

@@ -37,15 +37,15 @@ from sageproject.db import db_call
 from sageproject.errors import ErrorCategory, SageError
 from scheduling import runs
 from scheduling.db_scheduler import DatabaseScheduler, lease_fence
-from scheduling.models import Run, RunStatus, run_cancelled_error
-from scheduling.runs import Fence, Outcome
-from scheduling.scheduler import (
+from scheduling.leases import (
     FenceRejected,
     LeaseExpired,
     SchedulerClaimPolicy,
     WorkerLease,
     worker_shutdown_error,
 )
+from scheduling.models import Run, RunStatus, run_cancelled_error
+from scheduling.runs import Fence, Outcome
 from scheduling.store import append_events
 
 logger = logging.getLogger("sage.dispatcher")

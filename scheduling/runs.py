@@ -62,6 +62,7 @@ from sageproject.errors import (
     SageError,
 )
 from scheduling.faults import crash_point
+from scheduling.leases import ClaimCandidate, ClaimOrder, FenceRejected, fair_order
 from scheduling.models import (
     TERMINAL_STATUSES,
     UNFINISHED_STATUSES,
@@ -76,7 +77,6 @@ from scheduling.models import (
     run_cancelled_error,
     run_interrupted_error,
 )
-from scheduling.scheduler import ClaimCandidate, ClaimOrder, FenceRejected, fair_order
 from scheduling.serialization import encode_payload
 
 logger = logging.getLogger("sage.runs")

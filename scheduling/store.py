@@ -47,9 +47,9 @@ from sageproject.errors import (
     ValidationError,
 )
 from scheduling.faults import crash_point
+from scheduling.leases import FenceRejected
 from scheduling.models import Event, Run, RunStatus, Session
 from scheduling.runs import Fence, check_fence, db_now
-from scheduling.scheduler import FenceRejected
 from scheduling.serialization import (
     SessionEvent,
     encode_payload,

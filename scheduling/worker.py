@@ -33,8 +33,8 @@ from django.utils.module_loading import import_string
 from sageproject.db import db_call
 from scheduling.db_scheduler import DatabaseScheduler
 from scheduling.dispatcher import Dispatcher, Execution
+from scheduling.leases import SchedulerQuotaGroup
 from scheduling.models import Run, RunStatus, WorkerSnapshot
-from scheduling.scheduler import SchedulerQuotaGroup
 from scheduling.store import close_default_coordinator
 
 logger = logging.getLogger("sage.worker")

@@ -202,7 +202,7 @@ async def append_job_event(
     nothing (logged); returns whether the event was appended."""
     from scheduling import runs
     from scheduling.dispatcher import current_fence
-    from scheduling.scheduler import FenceRejected
+    from scheduling.leases import FenceRejected
     from scheduling.store import append_events
 
     fence = current_fence(run_id) if run_id else None

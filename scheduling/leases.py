@@ -1,0 +1,396 @@
+"""Scheduling values and rules shared by every backend (Django-free).
+
+The values (`WorkItem`, `WorkerLease`, the claim policy and capabilities), the error types
+(one per code: `LeaseExpired`, `FenceRejected`, ...), the one claim-ordering rule
+(`fair_order`) that the in-memory and the database schedulers share, the `Scheduler`
+protocol, and the quota group that members of one process share. Backends:
+`scheduling.memory.InMemoryScheduler` (one event loop) and
+`scheduling.db_scheduler.DatabaseScheduler` (``Run`` rows, across processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from sageproject.errors import (
+    ConflictError,
+    ErrorCategory,
+    RateLimitedError,
+    SageError,
+)
+
+T = TypeVar("T")
+
+
+def utc_now() -> datetime:
+    """The default clock: an aware UTC ``datetime``."""
+    return datetime.now(UTC)
+
+
+# --------------------------------------------------------------------------- values
+
+
+class LeaseReleaseReason(StrEnum):
+    # The run reached a terminal success state.
+    COMPLETED = "completed"
+    # The run failed; it will not be retried unless requeued.
+    FAILED = "failed"
+    # The run is waiting on a human; a reply submits it again.
+    SUSPENDED = "suspended"
+    # The run was cancelled by its owner or an operator.
+    CANCELLED = "cancelled"
+    # The worker is stopping; the work is normally requeued.
+    WORKER_SHUTDOWN = "worker_shutdown"
+
+
+class ClaimOrder(StrEnum):
+    # Fewest running items per tenant first, then priority, then oldest submit.
+    FAIR = "fair"
+    # Plain priority then oldest submit (the original order; kept for comparison).
+    OLDEST = "oldest"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkItem:
+    """One unit of schedulable work (normally one Run attempt)."""
+
+    work_id: str
+    run_id: str
+    tenant_id: str | None = None
+    priority: int = 0
+    available_at: datetime = field(default_factory=utc_now)
+    attempt: int = 1
+    idempotency_key: str | None = None
+    payload: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.work_id:
+            raise ValueError("work_id must be non-empty")
+        if not self.run_id:
+            raise ValueError("run_id must be non-empty")
+        if not -100 <= self.priority <= 100:
+            raise ValueError("priority must be between -100 and 100")
+        if self.attempt < 1:
+            raise ValueError("attempt must be at least 1")
+        if self.available_at.tzinfo is None:
+            raise ValueError("available_at must be an aware datetime")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerLease:
+    """A worker's time-limited authority over one work item.
+
+    ``fencing_token`` comes from one global, strictly increasing sequence, so a
+    replacement lease always carries a larger token than the one it replaced; storage
+    compares it to reject writes from a worker that lost its lease.
+    """
+
+    lease_id: str
+    work: WorkItem
+    worker_id: str
+    fencing_token: int
+    acquired_at: datetime
+    expires_at: datetime
+
+    @property
+    def run_id(self) -> str:
+        return self.work.run_id
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerClaimPolicy:
+    """Per-claim limits: at most ``max_active_per_tenant`` live leases per tenant."""
+
+    max_active_per_tenant: int | None = None
+    order: ClaimOrder = ClaimOrder.FAIR
+
+    def __post_init__(self) -> None:
+        if self.max_active_per_tenant is not None and self.max_active_per_tenant < 1:
+            raise ValueError("max_active_per_tenant must be positive")
+        # Accept the plain strings "fair"/"oldest" and normalise them.
+        object.__setattr__(self, "order", ClaimOrder(self.order))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerCapabilities:
+    api_version: str = "2"
+    durable_across_process_restart: bool = False
+    supports_priority: bool = True
+    supports_delayed_work: bool = True
+    supports_leases: bool = True
+    supports_fencing: bool = True
+    supports_distributed_claims: bool = False
+    supports_atomic_tenant_quota: bool = False
+    supports_atomic_fenced_mutations: bool = False
+    max_pending_items: int = 1024
+    max_retained_terminal_items: int = 4096
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def queue_full_error(max_pending: int) -> RateLimitedError:
+    """``scheduler.queue_full`` (RATE_LIMITED, retryable, resumable)."""
+    return RateLimitedError(
+        "scheduler.queue_full",
+        "The scheduler queue is full; retry later.",
+        retryable=True,
+        resumable=True,
+        details={"max_pending": max_pending},
+    )
+
+
+def work_id_conflict_error(work_id: str) -> ConflictError:
+    return ConflictError(
+        "scheduler.work_id_conflict",
+        "A different work item with this work_id is already known.",
+        details={"work_id": work_id},
+    )
+
+
+class LeaseExpired(ConflictError):
+    """``scheduler.lease_expired``: the lease ran out or was superseded (renewal refused)."""
+
+    def __init__(self, message: str = "The lease has expired or was superseded.") -> None:
+        super().__init__("scheduler.lease_expired", message)
+
+
+class FenceRejected(ConflictError):
+    """``scheduler.fence_rejected`` (resumable): a write under a lease that no longer owns
+    its run — another owner, a newer token, an expired lease or a finished run. Nothing of
+    the write was stored; the run continues (or already ended) under its current owner."""
+
+    def __init__(self, run_id: Any = None) -> None:
+        what = f"run {run_id}" if run_id is not None else "the run"
+        super().__init__(
+            "scheduler.fence_rejected",
+            f"{what} is no longer leased by this worker; the write was rejected",
+            resumable=True,
+            details={"run": str(run_id)} if run_id is not None else {},
+        )
+
+
+def lease_expired_error() -> LeaseExpired:
+    return LeaseExpired()
+
+
+def fence_rejected_error(run_id: Any = None) -> FenceRejected:
+    return FenceRejected(run_id)
+
+
+def closed_error() -> SageError:
+    return SageError(
+        "scheduler.closed", "The scheduler is closed.", category=ErrorCategory.CANCELLED
+    )
+
+
+def worker_shutdown_error() -> SageError:
+    """``scheduler.worker_shutdown`` (RESOURCE_LOST, resumable): a run cut off by shutdown."""
+    return SageError(
+        "scheduler.worker_shutdown",
+        "The worker shut down before the run finished; it will be resumed.",
+        category=ErrorCategory.RESOURCE_LOST,
+        resumable=True,
+    )
+
+
+# --------------------------------------------------------------------------- ordering
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimCandidate:
+    """One claimable item as the ordering rule sees it.
+
+    ``submit_order`` is any comparable value that grows with submission time (a sequence
+    number in memory, ``(created_at, pk)`` in the database); ``ref`` is opaque to the rule.
+    """
+
+    tenant_id: str | None
+    priority: int
+    submit_order: Any
+    ref: Any = None
+
+
+def fair_order(
+    candidates: Iterable[ClaimCandidate],
+    running_per_tenant: Mapping[str | None, int],
+    *,
+    order: ClaimOrder | str = ClaimOrder.FAIR,
+    max_active_per_tenant: int | None = None,
+) -> list[ClaimCandidate]:
+    """Return the claimable candidates, best first, under one shared ordering rule.
+
+    Candidates of a tenant already holding ``max_active_per_tenant`` leases are dropped
+    (a saturated tenant is skipped, never blocking others; tenant ``None`` is exempt).
+    ``FAIR`` sorts by the tenant's running count, then priority (higher first), then
+    submit order, so a tenant with a thousand queued items cannot starve a tenant with
+    one; ``OLDEST`` sorts by priority then submit order only.
+
+    Pass at least every tenant's own best item (highest priority, then oldest): the
+    in-memory scheduler passes exactly one head per tenant; a database query should pick
+    per-tenant heads too (a window ``ROW_NUMBER() OVER (PARTITION BY tenant ...)``), since
+    the global top-N rows may all belong to the one tenant with a thousand queued.
+    """
+    order = ClaimOrder(order)
+    eligible = [
+        c
+        for c in candidates
+        if c.tenant_id is None
+        or max_active_per_tenant is None
+        or running_per_tenant.get(c.tenant_id, 0) < max_active_per_tenant
+    ]
+    if order is ClaimOrder.FAIR:
+        eligible.sort(
+            key=lambda c: (running_per_tenant.get(c.tenant_id, 0), -c.priority, c.submit_order)
+        )
+    else:
+        eligible.sort(key=lambda c: (-c.priority, c.submit_order))
+    return eligible
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """What the dispatcher needs from any scheduler backend (all methods async)."""
+
+    def capabilities(self) -> SchedulerCapabilities: ...
+
+    async def submit(self, work: WorkItem) -> bool: ...
+
+    async def claim(
+        self,
+        worker_id: str,
+        *,
+        lease_duration: timedelta,
+        policy: SchedulerClaimPolicy | None = None,
+        wait_timeout: float | None = None,
+    ) -> WorkerLease | None: ...
+
+    async def renew(self, lease: WorkerLease, *, lease_duration: timedelta) -> WorkerLease: ...
+
+    async def release(
+        self, lease: WorkerLease, reason: LeaseReleaseReason | str, *, requeue: bool = False
+    ) -> None: ...
+
+    async def assert_fence(self, lease: WorkerLease) -> None: ...
+
+    async def cancel(self, work_id: str) -> bool: ...
+
+    async def reap_expired(self) -> int: ...
+
+    async def pending_count(self) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- shared ledger
+
+
+class _Ledger:
+    """Counters and waiters shared by every scheduler that draws on the same capacity.
+
+    A scheduler without a quota group gets a private ledger; members of a
+    `SchedulerQuotaGroup` share the group's, which is what keeps totals from multiplying
+    with the number of queues.
+    """
+
+    def __init__(self) -> None:
+        self.members: list[Any] = []  # the InMemoryScheduler members
+        self.active_total = 0
+        self.by_tenant: dict[str | None, int] = {}
+        # One live lease per run, across every member.
+        self.run_leases: dict[str, str] = {}
+        self.fence_sequence = 0
+        self.waiters: set[asyncio.Future[None]] = set()
+
+    def notify(self) -> None:
+        """Wake every waiting claim; each retries and goes back to sleep if it lost."""
+        for fut in self.waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self.waiters.clear()
+
+    def lease_added(self, lease: WorkerLease) -> None:
+        self.active_total += 1
+        tenant = lease.work.tenant_id
+        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + 1
+        self.run_leases[lease.work.run_id] = lease.lease_id
+
+    def lease_removed(self, lease: WorkerLease) -> None:
+        self.active_total -= 1
+        tenant = lease.work.tenant_id
+        left = self.by_tenant[tenant] - 1
+        if left:
+            self.by_tenant[tenant] = left
+        else:
+            del self.by_tenant[tenant]
+        if self.run_leases.get(lease.work.run_id) == lease.lease_id:
+            del self.run_leases[lease.work.run_id]
+
+    def pending_total(self) -> int:
+        return sum(member._pending() for member in self.members)
+
+
+class SchedulerQuotaGroup(_Ledger):
+    """Capacity shared by several schedulers (the ``chat`` and ``managed`` queues).
+
+    Members keep separate queues, so a dispatcher never claims another queue's work, but
+    ``max_active`` live leases, ``max_per_tenant`` live leases per tenant and
+    ``max_pending`` queued items are totals over all members.
+    """
+
+    def __init__(self, max_active: int, max_per_tenant: int, max_pending: int) -> None:
+        if max_active < 1:
+            raise ValueError("max_active must be positive")
+        if max_per_tenant < 1:
+            raise ValueError("max_per_tenant must be positive")
+        if max_pending < 1:
+            raise ValueError("max_pending must be positive")
+        super().__init__()
+        self.max_active = max_active
+        self.max_per_tenant = max_per_tenant
+        self.max_pending = max_pending
+
+    def leases(self) -> tuple[WorkerLease, ...]:
+        """Live leases across all open members."""
+        return tuple(lease for member in self.members for lease in member._leases.values())
+
+    def pending(self) -> int:
+        """Queued (not leased, not cancelled) items across all open members."""
+        return self.pending_total()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain-dict figures for the capacity page."""
+        return {
+            "active": self.active_total,
+            "pending": self.pending_total(),
+            "max_active": self.max_active,
+            "max_per_tenant": self.max_per_tenant,
+            "max_pending": self.max_pending,
+            "active_per_tenant": dict(self.by_tenant),
+        }
+
+
+def _as_timedelta(value: timedelta | float) -> timedelta:
+    duration = value if isinstance(value, timedelta) else timedelta(seconds=float(value))
+    if duration <= timedelta(0):
+        raise ValueError("lease_duration must be positive")
+    return duration
+
+
+def _content(work: WorkItem) -> tuple[Any, ...]:
+    # What makes two submissions "the same work": attempt and available_at may differ
+    # between a retry and the original, the identity of the work may not.
+    return (work.run_id, work.tenant_id, work.priority, work.idempotency_key, work.payload)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
