@@ -184,11 +184,13 @@ def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
             "OPTIONS": {
                 # WAL lets the web process read while the worker writes; the busy
                 # timeout and IMMEDIATE transactions make two writers queue instead of
-                # failing with "database is locked" on lock upgrade.
+                # failing with "database is locked" on lock upgrade. synchronous=FULL
+                # syncs the WAL at every commit, so an answered write survives a power
+                # loss (NORMAL would only survive a process crash).
                 "timeout": 30,
                 "transaction_mode": "IMMEDIATE",
                 "init_command": (
-                    "PRAGMA journal_mode=WAL;PRAGMA synchronous=NORMAL;"
+                    "PRAGMA journal_mode=WAL;PRAGMA synchronous=FULL;"
                     "PRAGMA foreign_keys=ON;PRAGMA busy_timeout=30000;"
                 ),
             },

@@ -16,13 +16,12 @@ durable event. ``SAGE_STORE_WRITERS`` writers may run; a session always uses the
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import queue
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -40,7 +39,6 @@ from django.utils import timezone
 
 from sageproject.errors import (
     ConflictError,
-    ErrorCategory,
     NotFoundError,
     SageError,
     UnavailableError,
@@ -63,7 +61,6 @@ __all__ = [
     "CommitSpec",
     "EventDraft",
     "Fence",
-    "LeaseFencedSessionStore",
     "SessionStoreCoordinator",
     "append_events",
     "check_fence",
@@ -122,14 +119,6 @@ class CommitResult:
 
 def fence_rejected(run_id: Any) -> FenceRejected:
     return FenceRejected(run_id)
-
-
-def worker_lease_required(run_id: Any) -> SageError:
-    return SageError(
-        "scheduler.worker_lease_required",
-        f"writing for run {run_id} needs the worker's active lease",
-        category=ErrorCategory.AUTHORIZATION,
-    )
 
 
 def session_conflict(session_id: Any) -> ConflictError:
@@ -1064,73 +1053,6 @@ class SessionStoreCoordinator:
     def _join(self) -> None:
         for writer in self._writers:
             writer.join()
-
-
-# ---------------------------------------------------------------------------------------
-# Lease fencing
-
-
-FenceProvider = Callable[[Any], "Fence | Awaitable[Fence | None] | None"]
-
-
-class LeaseFencedSessionStore:
-    """The coordinator with every write carrying its run's current lease fence.
-
-    ``fence_provider(run_id)`` (sync or async) returns the run's current :class:`Fence`,
-    or ``None`` when this worker holds no lease for it, which fails the write with
-    ``scheduler.worker_lease_required``. Other attributes pass through.
-    """
-
-    capabilities = {"requires_worker_fence": True, "atomic_worker_fence": True}
-
-    def __init__(self, coordinator: SessionStoreCoordinator, fence_provider: FenceProvider) -> None:
-        self._coordinator = coordinator
-        self._fence_provider = fence_provider
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._coordinator, name)
-
-    async def fence_for(self, run_id: Any) -> Fence:
-        """The run's current fence; raises ``scheduler.worker_lease_required`` without one."""
-        fence = self._fence_provider(run_id)
-        if inspect.isawaitable(fence):
-            fence = await fence
-        if fence is None:
-            raise worker_lease_required(run_id)
-        return fence
-
-    async def commit(
-        self,
-        session_id: Any,
-        *,
-        run_id: Any,
-        drafts: Sequence[EventDraft | tuple[str, Any]] = (),
-    ) -> CommitResult:
-        """:meth:`SessionStoreCoordinator.commit` fenced by ``run_id``'s lease."""
-        fence = await self.fence_for(run_id)
-        return await self._coordinator.commit(session_id, run_id=run_id, drafts=drafts, fence=fence)
-
-    async def commit_many(self, specs: Sequence[CommitSpec]) -> list[CommitResult]:
-        """:meth:`SessionStoreCoordinator.commit_many`, each spec fenced by its run."""
-        fenced = []
-        for spec in specs:
-            fence = await self.fence_for(spec.run_id)
-            fenced.append(
-                CommitSpec(
-                    session_id=spec.session_id, run_id=spec.run_id, drafts=spec.drafts, fence=fence
-                )
-            )
-        return await self._coordinator.commit_many(fenced)
-
-    async def truncate(self, session_id: Any, *, run_id: Any, length: int) -> CommitResult:
-        """:meth:`SessionStoreCoordinator.truncate` fenced by ``run_id``'s lease."""
-        fence = await self.fence_for(run_id)
-        return await self._coordinator.truncate(session_id, length=length, fence=fence)
-
-    async def delete_run(self, session_id: Any, run_id: Any, *, by_run_id: Any) -> CommitResult:
-        """:meth:`SessionStoreCoordinator.delete_run` fenced by ``by_run_id``'s lease."""
-        fence = await self.fence_for(by_run_id)
-        return await self._coordinator.delete_run(session_id, run_id, fence=fence)
 
 
 # ---------------------------------------------------------------------------------------

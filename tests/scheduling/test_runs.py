@@ -370,3 +370,14 @@ def test_finish_transition_refuses_an_expired_lease(alice, make_session):
     expire(fence)
     with pytest.raises(FenceRejected), transaction.atomic():
         Finish(fence, RunStatus.COMPLETED, {"text": "x"})("default")
+
+
+def test_sqlite_syncs_every_commit_so_an_answered_write_survives_power_loss():
+    from django.db import connection
+
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite only: servers have their own durability settings")
+    with connection.cursor() as cursor:
+        cursor.execute("PRAGMA synchronous")
+        (level,) = cursor.fetchone()
+    assert level == 2  # FULL

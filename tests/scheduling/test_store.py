@@ -26,7 +26,6 @@ from scheduling.store import (
     CommitSpec,
     EventDraft,
     Fence,
-    LeaseFencedSessionStore,
     SessionStoreCoordinator,
     append_events,
     close_default_coordinator,
@@ -489,30 +488,29 @@ async def test_it_keeps_each_session_on_the_same_writer(alice):
 
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
-async def test_it_requires_a_lease_for_a_fenced_commit(alice, coordinator):
+async def test_it_commits_with_the_runs_current_fence(alice, coordinator):
     session, run = await seed_session(alice, 0, run=True)
-    store = LeaseFencedSessionStore(coordinator, lambda run_id: None)
-
-    with pytest.raises(SageError) as raised:
-        await store.commit(session.id, run_id=run.id, drafts=[("m", {})])
-
-    assert raised.value.code == "scheduler.worker_lease_required"
-    assert await db_state(session.id) == (0, [])
+    fence = Fence(run_id=run.id, lease_owner="worker-a", lease_token=7)
+    result = await coordinator.commit(session.id, run_id=run.id, drafts=[("m", {})], fence=fence)
+    assert result.seqs == (1,)
+    assert coordinator.snapshot()["commits"] == 1
 
 
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
-async def test_it_commits_with_the_runs_current_fence(alice, coordinator):
+async def test_it_applies_a_transition_in_the_commits_transaction(alice, coordinator):
     session, run = await seed_session(alice, 0, run=True)
+    fence = Fence(run_id=run.id, lease_owner="worker-a", lease_token=7)
 
-    async def provider(run_id: Any) -> Fence:
-        return Fence(run_id=run_id, lease_owner="worker-a", lease_token=7)
+    def fails(using: str) -> None:
+        raise RuntimeError("the transition failed")
 
-    store = LeaseFencedSessionStore(coordinator, provider)
-    result = await store.commit(session.id, run_id=run.id, drafts=[("m", {})])
-
-    assert result.seqs == (1,)
-    assert store.snapshot()["commits"] == 1  # passes through to the coordinator
+    with pytest.raises(RuntimeError):
+        await coordinator.commit(
+            session.id, run_id=run.id, drafts=[("m", {})], fence=fence, transition=fails
+        )
+    # The events of a commit whose transition failed were not written either.
+    assert await db_state(session.id) == (0, [])
 
 
 # -- append_events, the executor's entry point ---------------------------------------
