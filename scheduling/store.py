@@ -580,6 +580,21 @@ def _translate(exc: BaseException, session_id: str | None) -> BaseException:
 # Coordinator
 
 
+def _marker(last: tuple[Any, str, datetime] | None) -> tuple[Any, ...]:
+    if last is None:
+        return (None, None, None)
+    run_id, etype, created_at = last
+    return (str(run_id) if run_id is not None else None, etype, created_at)
+
+
+def _prefix_marker(state: _SessionState) -> tuple[Any, ...]:
+    """What the database's durable prefix looks like if this cached state is current."""
+    if state.persisted == 0 or state.persisted > len(state.history):
+        return (state.persisted, None, None, None)
+    last = state.history[state.persisted - 1]
+    return (state.persisted, *_marker((last.run_id, last.type, last.created_at)))
+
+
 class _SessionState:
     """An open session: its history and what of it is durable."""
 
@@ -996,24 +1011,35 @@ class SessionStoreCoordinator:
         """The session's current history (a new list of the shared event objects).
 
         With ``fresh``, a cached history is first checked against the database's durable
-        prefix (one primary-key read) and reloaded when another process has moved the
-        session on, so a run never starts from a stale conversation.
+        prefix — its length and its last event (two primary-key reads) — and reloaded when
+        another process has moved the session on or rewritten it (a rollback removes events,
+        so a length alone could match again), so a run never starts from a stale
+        conversation.
         """
         async with self.locked(session_id) as (key,):
             state = self._states.get(key)
             if fresh and state is not None:
                 durable = await self.call_in_writer(key, lambda: self._durable_prefix_sync(key))
-                if durable != state.persisted:
+                if durable != _prefix_marker(state):
                     del self._states[key]
             return list((await self._open_locked(key)).history)
 
-    def _durable_prefix_sync(self, key: str) -> int | None:
-        return (
+    def _durable_prefix_sync(self, key: str) -> tuple[Any, ...] | None:
+        persisted = (
             Session.objects.using(self.using)
             .filter(pk=key)
             .values_list("persisted_events", flat=True)
             .first()
         )
+        if persisted is None:
+            return None
+        last = (
+            Event.objects.using(self.using)
+            .filter(session_id=key, seq=persisted)
+            .values_list("run_id", "type", "created_at")
+            .first()
+        )
+        return (persisted, *_marker(last))
 
     async def persisted_events(self, session_id: Any) -> int:
         """The durable prefix length this coordinator knows for the session."""

@@ -18,7 +18,7 @@ from django.utils import timezone
 from sageproject.db import db_call
 from scheduling.db_scheduler import DatabaseScheduler
 from scheduling.dispatcher import Dispatcher, StopSignal, is_transient
-from scheduling.models import Event, Run, RunStatus, Session
+from scheduling.models import Event, Run, RunStatus, Session, WorkerSnapshot
 from scheduling.runs import Fence, Outcome
 from scheduling.scheduler import SchedulerQuotaGroup
 from scheduling.store import append_events, close_default_coordinator
@@ -383,3 +383,19 @@ async def test_it_fails_a_run_out_of_attempts_at_start_up(db, alice, make_sessio
         "run.failed",
         "execution.worker_restarted",
     )
+
+
+async def test_a_worker_whose_claiming_failed_permanently_stops_and_says_so(one_run):
+    from scheduling.worker import Worker
+
+    executor = BlockingExecutor(one_run)
+    worker = Worker(executor=executor, worker_id="broken", grace_seconds=0)
+    executor.dispatcher = worker.dispatcher
+    scheduler = FlakyScheduler(RuntimeError("schema is broken"), failures=1)
+    worker.scheduler = worker.dispatcher.scheduler = scheduler
+    # It exits on its own (a supervisor restarts it) instead of idling as a silent worker.
+    await asyncio.wait_for(worker.run(), BOUND)
+    assert worker.failed == "RuntimeError: schema is broken"
+    snapshot = await WorkerSnapshot.objects.aget(worker_id="broken")
+    assert snapshot.stopped_at is not None
+    assert snapshot.capacity["scheduler"]["permanent_error"] == worker.failed

@@ -570,3 +570,22 @@ async def test_it_rereads_a_history_another_process_moved_on_when_asked_for_fres
     finally:
         await ours.close()
         await theirs.close()
+
+
+@pytest.mark.storage
+@pytest.mark.django_db(transaction=True)
+async def test_a_fresh_read_keeps_a_current_cache_and_drops_a_rewritten_one(alice, coordinator):
+    session, run = await seed_session(alice, 0, run=True)
+    fence = Fence(run_id=run.id, lease_owner="worker-a", lease_token=7)
+    await coordinator.commit(session.id, run_id=run.id, drafts=[("a", {}), ("b", {})], fence=fence)
+    cached = (await coordinator.history(session.id))[0]
+    # Unchanged in the database: the cached events are served (no reload).
+    assert (await coordinator.history(session.id, fresh=True))[0] is cached
+
+    def rewrite() -> None:
+        # Another process removed the last event and appended a different one: same length.
+        Event.objects.filter(session_id=session.id, seq=2).update(type="other")
+
+    await sync_to_async(rewrite)()
+    fresh = await coordinator.history(session.id, fresh=True)
+    assert [e.type for e in fresh] == ["a", "other"]
