@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from agents.code_tools import CodeToolsRuntime
 from agents.engine import (
     INTERRUPTED_TOOL_ERROR,
     TOOL_FAILED,
+    TOOL_STARTED,
+    TOOL_SUCCEEDED,
     AgentTurn,
     EventBatch,
     history_from_events,
@@ -77,6 +80,9 @@ from scheduling.store import append_events, get_default_coordinator
 
 logger = logging.getLogger("sage.execution")
 
+# A resident Application's model records are compared with the database at most this often
+# (a changed record — a rotated key — is re-read by the next run after that).
+RECORD_CHECK_SECONDS = 1.0
 # How often the executor looks for operator reclamation requests.
 RECLAMATION_POLL_SECONDS = 2.0
 # Resident Applications' unfinished-run counts (for the capacity page) are refreshed every
@@ -117,6 +123,24 @@ class PreparedRun:
     resolution: dict[str, Any] | None = None
     # ``tool.call.failed`` events for this run's calls a crashed attempt left unanswered.
     interrupted_calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+
+def _user_input(value: Any) -> str:
+    return value if isinstance(value, str) else str((value or {}).get("text", ""))
+
+
+def _prepared_from_claim(row: dict[str, Any]) -> PreparedRun:
+    return PreparedRun(
+        run_id=row["pk"],
+        session_id=row["session_id"],
+        owner_id=row["owner_id"],
+        package_ref=row["session__package_ref"],
+        package_name=row["session__package_name"],
+        agent_id=row["session__agent_id"],
+        user_input=_user_input(row["input"]),
+        session_kind=row["session__kind"],
+        resolution=(row["interaction"] or {}).get("resolution"),
+    )
 
 
 def find_model_record(owner_id: int, name: str) -> ModelRecord:
@@ -327,6 +351,79 @@ def reclamation_outcome(result: dict[str, Any], worker: str) -> tuple[str, dict[
     return status, {**result, "message": message, "worker": worker}
 
 
+class _RunEvents:
+    """The events of one execution, committed (fenced) in as few transactions as safety
+    allows.
+
+    The start of the run (``run.started``, the user's message) is committed at once but
+    not waited for: the model is called meanwhile. A batch that starts tool calls or carries
+    their results is committed and waited for — a tool acts on the world only after its
+    call is durable, and its result is durable before the model is called again — and for
+    flows every batch is. A final assistant message waits for the outcome's own commit, so
+    a one-step run costs two commits, the first one off its critical path. The first
+    commit consumes a reply's resolution (``Start``), so a requeue does not record it again.
+    """
+
+    _FLUSHING = frozenset({TOOL_STARTED, TOOL_SUCCEEDED, TOOL_FAILED})
+
+    def __init__(
+        self, prepared: PreparedRun, fence: Fence, start: EventBatch, *, flush_every_batch: bool
+    ) -> None:
+        self.prepared = prepared
+        self.fence = fence
+        self.pending: EventBatch = list(start)
+        self.flush_every_batch = flush_every_batch
+        self._start: asyncio.Future[None] | None = None
+
+    def begin(self) -> None:
+        """Commit the start events in the background (see the class text)."""
+        events, self.pending = self.pending, []
+        self._start = asyncio.ensure_future(
+            self._commit(
+                events, Start(self.fence, clear_resolution=self.prepared.resolution is not None)
+            )
+        )
+        # Never "exception was never retrieved": `settle` re-raises it where it matters.
+        self._start.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _commit(self, events: EventBatch, transition: Any = None) -> None:
+        await append_events(
+            session_id=self.prepared.session_id,
+            run_id=self.prepared.run_id,
+            events=events,
+            fence=self.fence,
+            transition=transition,
+        )
+
+    async def settle(self) -> None:
+        """Wait for the start commit; raises what it raised (``scheduler.fence_rejected``)."""
+        start, self._start = self._start, None
+        if start is not None:
+            await start
+
+    async def emit(self, batch: EventBatch) -> None:
+        self.pending.extend(batch)
+        if self.flush_every_batch or any(etype in self._FLUSHING for etype, _ in batch):
+            await self.flush()
+
+    async def flush(self) -> None:
+        await self.settle()
+        if self.pending:
+            events, self.pending = self.pending, []
+            await self._commit(events)
+
+    async def outcome(self, outcome: Outcome) -> Outcome | str:
+        """``outcome`` preceded by the events not yet committed (one transaction), once the
+        start commit landed; ``"lease_lost"`` if it was refused."""
+        try:
+            await self.settle()
+        except FenceRejected:
+            return "lease_lost"
+        if not self.pending:
+            return outcome
+        return dataclasses.replace(outcome, pending=tuple(self.pending))
+
+
 class _LeasedProvider:
     """The provider a budget wraps: one adapter bound to one leased client."""
 
@@ -390,6 +487,9 @@ class RunExecutor:
         self.worker_tag = f"{socket.gethostname()}:{os.getpid()}"
         self.swept = 0
         self._pool_snapshot: dict[str, Any] = {}
+        # When each resident Application's model records were last compared with the
+        # database (see `_current_agents`).
+        self._records_checked: dict[Any, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -481,6 +581,12 @@ class RunExecutor:
         except Exception as exc:
             logger.warning("stopping jobs of cancelled run %s: %s", run_id, exc)
 
+    def on_wake(self, kind: str, payload: str) -> None:
+        """A push wake-up for the executor: ``records`` — model records changed, so the
+        next run of every Application compares them with the database again."""
+        if kind == "records":
+            self._records_checked.clear()
+
     def capacity(self) -> dict[str, Any]:
         return {
             "model_clients": dict(self._pool_snapshot),
@@ -493,11 +599,19 @@ class RunExecutor:
 
     # --- preparation --------------------------------------------------------------
 
-    async def _prepare(self, run_id: Any, fence: Fence | None = None) -> PreparedRun:
-        """The run, its session and its conversation. The history comes from the store
-        coordinator, which the run's commits use anyway: it is read once, not twice."""
-        prepared = await db_call(self._prepare_sync, run_id)
-        events = await get_default_coordinator().history(prepared.session_id, fresh=True)
+    async def _prepare(self, run_id: Any, claimed: dict[str, Any] | None = None) -> PreparedRun:
+        """The run, its session and its conversation. The run's fields come from what the
+        claim read (``claimed``) when given; the history comes from the store coordinator,
+        which the run's commits use anyway: it is read once, not twice."""
+        known_empty = False
+        if claimed is not None and "session__package_ref" in claimed:
+            prepared = _prepared_from_claim(claimed)
+            known_empty = claimed.get("session__persisted_events") == 0
+        else:
+            prepared = await db_call(self._prepare_sync, run_id)
+        events = await get_default_coordinator().history(
+            prepared.session_id, fresh=True, known_empty=known_empty
+        )
         run_key = str(run_id)
         own = [(e.type, e.payload) for e in events if str(e.run_id) == run_key]
         return dataclasses.replace(
@@ -520,7 +634,7 @@ class RunExecutor:
     def _prepare_sync(self, run_id: Any) -> PreparedRun:
         run = Run.objects.select_related("session").get(pk=run_id)
         session = run.session
-        user_input = run.input if isinstance(run.input, str) else str(run.input.get("text", ""))
+        user_input = _user_input(run.input)
         return PreparedRun(
             run_id=run.pk,
             session_id=session.pk,
@@ -534,14 +648,19 @@ class RunExecutor:
         )
 
     async def _current_agents(self, app: Application) -> dict[str, PreparedAgent]:
-        """The Application's agents with model records re-read where they changed (a
-        rotated key takes effect on the next run of a resident Application)."""
+        """The Application's agents with model records re-read where they changed: a
+        rotated key takes effect on the next run that starts at least
+        ``RECORD_CHECK_SECONDS`` after the rotation (checked once per interval per
+        Application, not once per run, so a busy Application costs no query per run)."""
         views = {agent_id: agent.record for agent_id, agent in app.agents.items()}
         if not views:
             return {}
-        fresh = await db_call(fresh_records_sync, views)
-        for agent_id, view in fresh.items():
-            app.agents[agent_id] = dataclasses.replace(app.agents[agent_id], record=view)
+        now = time.monotonic()
+        if now - self._records_checked.get(app.key, -RECORD_CHECK_SECONDS) >= RECORD_CHECK_SECONDS:
+            self._records_checked[app.key] = now
+            fresh = await db_call(fresh_records_sync, views)
+            for agent_id, view in fresh.items():
+                app.agents[agent_id] = dataclasses.replace(app.agents[agent_id], record=view)
         return dict(app.agents)
 
     # --- model access ---------------------------------------------------------------
@@ -569,7 +688,13 @@ class RunExecutor:
 
     # --- the run ----------------------------------------------------------------
 
-    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> Outcome | str:
+    async def execute(
+        self,
+        run_id: Any,
+        fence: Fence,
+        stop: StopSignal,
+        claimed: dict[str, Any] | None = None,
+    ) -> Outcome | str:
         """Execute one claimed run and return its `Outcome` (a terminal status or
         ``suspended``) for the dispatcher to commit; ``"lease_lost"`` when a write was
         refused because another worker holds the run now. Never writes the run's status.
@@ -578,7 +703,7 @@ class RunExecutor:
         ``lease_lost``: then nothing terminal is written and the run is requeued.
         """
         try:
-            prepared = await self._prepare(run_id, fence)
+            prepared = await self._prepare(run_id, claimed)
         except Exception as exc:
             error = (
                 exc
@@ -634,12 +759,6 @@ class RunExecutor:
         self, app: Application, prepared: PreparedRun, fence: Fence, stop: StopSignal
     ) -> Outcome | str:
         run_id = prepared.run_id
-
-        async def emit(batch: EventBatch) -> None:
-            await append_events(
-                session_id=prepared.session_id, run_id=prepared.run_id, events=batch, fence=fence
-            )
-
         start: EventBatch = []
         if prepared.resolution is not None:
             start.append(("interaction.resolved", prepared.resolution))
@@ -660,15 +779,11 @@ class RunExecutor:
             extras={"session_kind": prepared.session_kind, "jobs": self.jobs},
         )
         flow_outputs = None
+        writer = _RunEvents(prepared, fence, start, flush_every_batch=app.flow is not None)
+        emit = writer.emit
         try:
             agents = await self._current_agents(app)
-            await append_events(
-                session_id=prepared.session_id,
-                run_id=run_id,
-                events=start,
-                fence=fence,
-                transition=Start(fence, clear_resolution=prepared.resolution is not None),
-            )
+            writer.begin()
             if app.flow is not None:
                 flow = await self._run_flow(app, agents, prepared, emit, ctx)
                 result = {"text": flow.output, "steps": flow.steps, "flow": flow.flow}
@@ -688,16 +803,16 @@ class RunExecutor:
         except asyncio.CancelledError:
             stopped = await self._stopped(stop, prepared)
             if stopped is not None:
-                return stopped
+                return await writer.outcome(stopped)
             raise
         except FenceRejected:
             logger.warning("run %s lost its lease; its writes stop here", run_id)
             return "lease_lost"
         except SageError as exc:
             if exc.code in SUSPENDING_CODES:
-                return self._suspension(exc, prepared)
-            return Outcome(
-                status=RunStatus.FAILED, session_id=prepared.session_id, error=exc.record()
+                return await writer.outcome(self._suspension(exc, prepared))
+            return await writer.outcome(
+                Outcome(status=RunStatus.FAILED, session_id=prepared.session_id, error=exc.record())
             )
         except Exception as exc:
             logger.exception("run %s failed with an unexpected error", run_id)
@@ -706,12 +821,16 @@ class RunExecutor:
                 f"internal error: {type(exc).__name__}",
                 category=ErrorCategory.INTERNAL,
             ).record()
-            return Outcome(status=RunStatus.FAILED, session_id=prepared.session_id, error=error)
-        return Outcome(
-            status=RunStatus.COMPLETED,
-            session_id=prepared.session_id,
-            result=result,
-            flow_outputs=flow_outputs,
+            return await writer.outcome(
+                Outcome(status=RunStatus.FAILED, session_id=prepared.session_id, error=error)
+            )
+        return await writer.outcome(
+            Outcome(
+                status=RunStatus.COMPLETED,
+                session_id=prepared.session_id,
+                result=result,
+                flow_outputs=flow_outputs,
+            )
         )
 
     def _suspension(self, error: SageError, prepared: PreparedRun) -> Outcome:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db import connections
+
 from agents.models import AgentPackage, ManagedAgentRecord
 from agents.packages import package_resolve, package_validate, strict_mode
 from sageproject.dblocks import named_lock
@@ -27,6 +29,7 @@ from scheduling.models import (
     Session,
     SessionKind,
 )
+from scheduling.runs import ArchiveRecord
 
 
 def session_create(
@@ -127,23 +130,60 @@ def run_reply(*, run: Run, decision: str, interaction_id: str | None = None) -> 
     return Run.objects.get(pk=run.pk)
 
 
+def archive_records(records: list[ArchiveRecord], using: str = "default") -> None:
+    """Write (or refresh) the archive rows of terminal runs in one statement (registered
+    with ``scheduling.runs`` as the archiver of every terminal transition)."""
+    rows = [
+        ManagedAgentRecord(
+            run_id=r.run_id,
+            owner_id=r.owner_id,
+            package_ref=r.package_ref,
+            package_name=r.package_name,
+            agent_id=r.agent_id,
+            status=r.status,
+            result=r.result,
+            error=r.error,
+            flow_outputs=r.flow_outputs,
+        )
+        for r in records
+    ]
+    update = ["owner", "package_ref", "package_name", "agent_id", "status", "result", "error"]
+    # MySQL's upsert names no conflict target (ON DUPLICATE KEY UPDATE); the others must.
+    target = (
+        {"unique_fields": ["run"]}
+        if connections[using].features.supports_update_conflicts_with_target
+        else {}
+    )
+    for with_outputs in (False, True):
+        part = [row for row in rows if (row.flow_outputs is not None) is with_outputs]
+        if part:
+            ManagedAgentRecord.objects.using(using).bulk_create(
+                part,
+                update_conflicts=True,
+                update_fields=[*update, "flow_outputs"] if with_outputs else update,
+                **target,
+            )
+
+
 def archive_terminal(run: Run, flow_outputs: dict[str, Any] | None = None) -> ManagedAgentRecord:
-    """Write (or refresh) the terminal archive of a finished run (registered with
-    ``scheduling.runs`` as the archiver of every terminal transition)."""
+    """Write (or refresh) the terminal archive of one finished run."""
     session = run.session
-    defaults = {
-        "owner_id": run.owner_id,
-        "package_ref": session.package_ref,
-        "package_name": session.package_name,
-        "agent_id": session.agent_id,
-        "status": run.status,
-        "result": run.result,
-        "error": run.error,
-    }
-    if flow_outputs is not None:
-        defaults["flow_outputs"] = flow_outputs
-    record, _ = ManagedAgentRecord.objects.update_or_create(run=run, defaults=defaults)
-    return record
+    archive_records(
+        [
+            ArchiveRecord(
+                run_id=run.pk,
+                owner_id=run.owner_id,
+                package_ref=session.package_ref,
+                package_name=session.package_name,
+                agent_id=session.agent_id,
+                status=run.status,
+                result=run.result,
+                error=run.error,
+                flow_outputs=flow_outputs,
+            )
+        ]
+    )
+    return ManagedAgentRecord.objects.get(run_id=run.pk)
 
 
 # Membership in this group revokes a user's permission to read run results (archived or

@@ -23,6 +23,7 @@ its supervisor restarts it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Callable
@@ -161,6 +162,9 @@ class Dispatcher:
         self.cancel_poll_seconds = cancel_poll_seconds
         self.policy = SchedulerClaimPolicy(max_active_per_tenant=max_concurrent_runs_per_user)
         self.on_permanent_error = on_permanent_error
+        # Longest idle poll: short without a push channel, about a second with one.
+        self.idle_max = IDLE_MAX
+        self._check_stops = asyncio.Event()
         self.executions: dict[str, Execution] = {}
         self.completed = 0
         self.peak_active = 0
@@ -191,8 +195,12 @@ class Dispatcher:
                 await self._first(stopping.wait(), self._slot_freed.wait())
                 continue
             try:
-                lease = await self.scheduler.claim(
-                    self.worker_id, lease_duration=self.lease, policy=self.policy, wait_timeout=0
+                # One transaction takes as many runs as there are free slots.
+                leases = await self.scheduler.claim_many(
+                    self.worker_id,
+                    lease_duration=self.lease,
+                    limit=self.max_concurrent_runs - len(self.executions),
+                    policy=self.policy,
                 )
             except Exception as exc:
                 self.claim_errors += 1
@@ -208,14 +216,15 @@ class Dispatcher:
                 backoff = min(backoff * 2, BACKOFF_MAX)
                 continue
             backoff = BACKOFF_START
-            if lease is None:
-                # Woken early by a release/submit in this process; other processes'
-                # submissions are found by the next poll.
+            if not leases:
+                # Woken by a push wake-up (a submission anywhere) or a release here; the
+                # poll is only the fallback for a lost one.
                 await self._first(stopping.wait(), self.scheduler.wait_for_change(idle))
-                idle = min(idle * 2, IDLE_MAX)
+                idle = min(idle * 2, self.idle_max)
                 continue
             idle = IDLE_START
-            self._start(lease)
+            for lease in leases:
+                self._start(lease)
 
     @staticmethod
     async def _first(*aws: Any) -> None:
@@ -232,8 +241,10 @@ class Dispatcher:
     def _start(self, lease: WorkerLease) -> None:
         fence = lease_fence(lease)
         stop = StopSignal()
+        claimed = lease.work.payload.get("claimed")
         task = asyncio.create_task(
-            self.executor.execute(fence.run_id, fence, stop), name=f"run-{lease.run_id}"
+            self.executor.execute(fence.run_id, fence, stop, claimed=claimed),
+            name=f"run-{lease.run_id}",
         )
         execution = Execution(lease=lease, fence=fence, stop=stop, task=task)
         self.executions[lease.run_id] = execution
@@ -374,10 +385,25 @@ class Dispatcher:
             self.scheduler.forget(execution.lease)
             return False
 
+    def on_wake(self, kind: str, payload: str) -> None:
+        """A push wake-up (`scheduling.wakeups`): claim now, or look at stop requests now."""
+        if kind == "run":
+            self.scheduler.notify()
+        elif kind == "cancel" and payload in self.executions:
+            self._check_stops.set()
+        else:
+            # Anything else is the executor's (e.g. ``records``: model records changed).
+            on_wake = getattr(self.executor, "on_wake", None)
+            if on_wake is not None:
+                on_wake(kind, payload)
+
     async def _watch_cancellations(self) -> None:
-        """Stop executions whose run got ``cancel_requested`` (one query per tick)."""
+        """Stop executions whose run got ``cancel_requested`` (one query per tick, or at
+        once on a ``cancel`` wake-up)."""
         while True:
-            await asyncio.sleep(self.cancel_poll_seconds)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._check_stops.wait(), self.cancel_poll_seconds)
+            self._check_stops.clear()
             ids = [uuid.UUID(rid) for rid, e in self.executions.items() if e.stop.reason is None]
             if not ids:
                 continue

@@ -44,14 +44,24 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
-from django.db.models import Count, DateTimeField, ExpressionWrapper, F, Q, Value, Window
-from django.db.models.functions import Coalesce, Now, RowNumber
+from django.db.models import (
+    BigIntegerField,
+    Case,
+    Count,
+    DateTimeField,
+    ExpressionWrapper,
+    F,
+    Q,
+    Value,
+    When,
+)
+from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from sageproject.errors import (
@@ -61,6 +71,7 @@ from sageproject.errors import (
     RateLimitedError,
     SageError,
 )
+from scheduling import wakeups
 from scheduling.faults import crash_point
 from scheduling.leases import ClaimCandidate, ClaimOrder, FenceRejected, fair_order
 from scheduling.models import (
@@ -129,24 +140,96 @@ class Grant:
 
 # The archive row (``ManagedAgentRecord``) belongs to the agents app; it registers its writer
 # here at start-up (``AgentsConfig.ready``) so scheduling never imports agents.
-_archiver: Callable[[Run, dict[str, Any] | None], Any] | None = None
 
 
-def set_archiver(fn: Callable[[Run, dict[str, Any] | None], Any] | None) -> None:
-    """Register ``fn(run, flow_outputs)``: writes a terminal run's archive row, called
-    inside the transaction that ends the run."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ArchiveRecord:
+    """What the archive of a terminal run holds (``flow_outputs`` None: left as it is)."""
+
+    run_id: Any
+    owner_id: Any
+    package_ref: str
+    package_name: str
+    agent_id: str
+    status: str
+    result: Any
+    error: Any
+    flow_outputs: dict[str, Any] | None = None
+
+
+Archiver = Callable[[list[ArchiveRecord], str], Any]
+_archiver: Archiver | None = None
+
+_ARCHIVE_FIELDS = (
+    "pk",
+    "owner_id",
+    "session__package_ref",
+    "session__package_name",
+    "session__agent_id",
+)
+
+
+def set_archiver(fn: Archiver | None) -> None:
+    """Register ``fn(records, using)``: writes (or refreshes) the archive rows of terminal
+    runs, called inside the transaction that ends them."""
     global _archiver
     _archiver = fn
+
+
+def _archive_records(
+    run_ids: list[Any], outcomes: dict[Any, tuple[str, Any, Any, Any]], using: str
+) -> list[ArchiveRecord]:
+    """Archive records of ``run_ids``; ``outcomes[run_id] = (status, result, error,
+    flow_outputs)`` (read from the rows when missing). One query."""
+    fields = (
+        _ARCHIVE_FIELDS
+        if len(outcomes) == len(run_ids)
+        else (
+            *_ARCHIVE_FIELDS,
+            "status",
+            "result",
+            "error",
+        )
+    )
+    records = []
+    for row in Run.objects.using(using).filter(pk__in=run_ids).values(*fields):
+        status, result, error, flow_outputs = outcomes.get(
+            row["pk"], (row.get("status"), row.get("result"), row.get("error"), None)
+        )
+        records.append(
+            ArchiveRecord(
+                run_id=row["pk"],
+                owner_id=row["owner_id"],
+                package_ref=row["session__package_ref"],
+                package_name=row["session__package_name"],
+                agent_id=row["session__agent_id"],
+                status=status,
+                result=result,
+                error=error,
+                flow_outputs=flow_outputs,
+            )
+        )
+    return records
 
 
 def _archive(run_id: Any, using: str, flow_outputs: dict[str, Any] | None = None) -> None:
     if _archiver is None:
         return
-    run = Run.objects.using(using).select_related("session").get(pk=run_id)
-    _archiver(run, flow_outputs)
+    records = _archive_records([run_id], {}, using)
+    if flow_outputs is not None:
+        records = [replace(r, flow_outputs=flow_outputs) for r in records]
+    _archiver(records, using)
 
 
 # ------------------------------------------------------------------------------ clocks
+
+
+class DbNow(Now):
+    """The database server's current time, in UTC on every backend (Django's ``Now`` is
+    MySQL's session-time-zone ``CURRENT_TIMESTAMP``)."""
+
+    def as_mysql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra)
 
 
 def now_expr(clock: Clock = None) -> Any:
@@ -154,14 +237,14 @@ def now_expr(clock: Clock = None) -> Any:
     (tests move time by hand)."""
     if clock is not None:
         return Value(clock(), output_field=DateTimeField())
-    return Now()
+    return DbNow()
 
 
 def later_expr(duration: timedelta, clock: Clock = None) -> Any:
     """``now + duration`` in the database's clock."""
     if clock is not None:
         return Value(clock() + duration, output_field=DateTimeField())
-    return ExpressionWrapper(Now() + Value(duration), output_field=DateTimeField())
+    return ExpressionWrapper(DbNow() + Value(duration), output_field=DateTimeField())
 
 
 def db_now(using: str = DEFAULT_DB_ALIAS, clock: Clock = None) -> datetime:
@@ -278,6 +361,7 @@ def _promote_next(session_id: Any, using: str) -> None:
     )
     if head is not None:
         runs.filter(pk=head).update(ready=True)
+        wakeups.notify("run", using=using)
 
 
 def session_busy_error() -> ConflictError:
@@ -355,6 +439,8 @@ def admit(
             priority=priority,
             ready=ready,
         )
+        if ready:
+            wakeups.notify("run")
     return run, True
 
 
@@ -393,6 +479,7 @@ def claim(
     limit: int = 1,
     exclude: Iterable[str] = (),
     max_crashes: int | None = None,
+    reap: bool = True,
     using: str = DEFAULT_DB_ALIAS,
     clock: Clock = None,
 ) -> tuple[list[Grant], list[str]]:
@@ -414,6 +501,7 @@ def claim(
         "limit": limit,
         "exclude": exclude,
         "max_crashes": max_crashes,
+        "reap": reap,
         "using": using,
         "clock": clock,
     }
@@ -435,13 +523,16 @@ def _claim_once(
     limit: int = 1,
     exclude: Iterable[str] = (),
     max_crashes: int | None = None,
+    reap: bool = True,
     using: str = DEFAULT_DB_ALIAS,
     clock: Clock = None,
 ) -> tuple[list[Grant], list[str]]:
-    """One attempt of `claim` (its transaction)."""
+    """One attempt of `claim` (its transaction): a fixed number of statements for up to
+    ``limit`` runs, none of which scans the queue (see `_heads`)."""
     db = using
-    stale_cancel = Q(status=RunStatus.QUEUED, cancel_requested=True)
-    work = _claimable(queue, clock) | _dead_lease(clock) | stale_cancel
+    work = _claimable(queue, clock)
+    if reap:
+        work |= _dead_lease(clock) | Q(status=RunStatus.QUEUED, cancel_requested=True)
     if not Run.objects.using(db).filter(work).exists():
         return [], []
     _ensure_fence_row(db)
@@ -453,8 +544,7 @@ def _claim_once(
                     f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}"
                 )
         fence_row = _fence_row(db)
-        reaped = _reap_locked(db, clock, frozenset(exclude), max_crashes)
-        grants: list[Grant] = []
+        reaped = _reap_locked(db, clock, frozenset(exclude), max_crashes) if reap else []
         running = {
             owner: n
             for owner, n in Run.objects.using(db)
@@ -463,80 +553,239 @@ def _claim_once(
             .annotate(n=Count("pk"))
             .order_by()
         }
-        token = fence_row.value
-        taken: set[Any] = set()
-        while len(grants) < limit:
-            queued = Run.objects.using(db).filter(_claimable(queue, clock)).exclude(pk__in=taken)
-            if max_active is not None and sum(running.values()) >= max_active:
-                # Only child runs (which count against no quota) may still start.
-                queued = queued.filter(parent__isnull=False)
-            if per_tenant is not None:
-                saturated = [owner for owner, n in running.items() if n >= per_tenant]
-                if saturated:
-                    queued = queued.exclude(Q(owner_id__in=saturated) & Q(parent__isnull=True))
-            heads = (
-                queued.annotate(
-                    head=Window(
-                        RowNumber(),
-                        partition_by=[F("owner_id")],
-                        order_by=[F("priority").desc(), F("created_at").asc(), F("id").asc()],
-                    )
-                )
-                .filter(head=1)
-                .values_list("pk", "owner_id", "priority", "created_at", "parent_id")
+        picked = _pick(
+            _heads(db, queue, clock, running, per_tenant, max_active, limit),
+            running,
+            order=order,
+            limit=limit,
+            max_active=max_active,
+            per_tenant=per_tenant,
+        )
+        grants: list[Grant] = []
+        if picked:
+            locked = Run.objects.using(db).filter(
+                pk__in=picked, status=RunStatus.QUEUED, ready=True
             )
-            candidates = [
-                ClaimCandidate(
-                    tenant_id=owner if parent is None else None,
-                    priority=priority,
-                    submit_order=(created, str(pk)),
-                    ref=pk,
-                )
-                for pk, owner, priority, created, parent in heads
-            ]
-            grant = None
-            skip_locked = connection.features.has_select_for_update_skip_locked
-            for candidate in fair_order(candidates, running, order=order):
-                rows = Run.objects.using(db).filter(
-                    pk=candidate.ref, status=RunStatus.QUEUED, ready=True
-                )
-                if skip_locked:
-                    rows = rows.select_for_update(skip_locked=True)
-                if rows.values_list("pk").first() is None:
-                    continue  # taken or being changed by another transaction
-                token += 1
-                Run.objects.using(db).filter(pk=candidate.ref).update(
+            if connection.features.has_select_for_update_skip_locked:
+                # A row another transaction is changing is skipped, never waited for.
+                locked = locked.select_for_update(skip_locked=True)
+            granted = set(locked.values_list("pk", flat=True))
+            ordered = [pk for pk in picked if pk in granted]
+            tokens = {pk: fence_row.value + i for i, pk in enumerate(ordered, start=1)}
+            if tokens:
+                Run.objects.using(db).filter(pk__in=ordered).update(
                     status=RunStatus.RUNNING,
                     lease_owner=worker_id,
-                    lease_token=token,
+                    lease_token=Case(
+                        *(When(pk=pk, then=Value(token)) for pk, token in tokens.items()),
+                        output_field=BigIntegerField(),
+                    ),
                     lease_expires_at=later_expr(duration, clock),
                     attempts=F("attempts") + 1,
                     started_at=Coalesce(F("started_at"), now_expr(clock)),
                 )
-                row = (
-                    Run.objects.using(db)
-                    .filter(pk=candidate.ref)
-                    .values(*_ROW_FIELDS, "lease_expires_at")
-                    .get()
+                rows = {
+                    row["pk"]: row
+                    for row in Run.objects.using(db)
+                    .filter(pk__in=ordered)
+                    .values(*_ROW_FIELDS, *_CLAIMED_FIELDS, "lease_expires_at")
+                }
+                for pk in ordered:
+                    row = rows[pk]
+                    expires = row.pop("lease_expires_at")
+                    grants.append(
+                        Grant(
+                            row=row,
+                            token=tokens[pk],
+                            expires_at=expires,
+                            granted_at=expires - duration,
+                        )
+                    )
+                FenceSequence.objects.using(db).filter(pk=1).update(
+                    value=fence_row.value + len(tokens)
                 )
-                expires = row.pop("lease_expires_at")
-                grant = Grant(
-                    row=row, token=token, expires_at=expires, granted_at=expires - duration
-                )
-                taken.add(candidate.ref)
-                if row["parent_id"] is None:
-                    running[row["owner_id"]] = running.get(row["owner_id"], 0) + 1
-                break
-            if grant is None:
-                break
-            grants.append(grant)
-        if token != fence_row.value:
-            FenceSequence.objects.using(db).filter(pk=1).update(value=token)
         if grants:
             crash_point("claim.before_commit")
     if grants:
         crash_point("claim.after_commit")
     return grants, reaped
+
+
+# What a claim reads back besides the queue fields: what an executor needs to prepare the
+# run without another query.
+_CLAIMED_FIELDS = (
+    "session_id",
+    "input",
+    "interaction",
+    "session__package_ref",
+    "session__package_name",
+    "session__agent_id",
+    "session__kind",
+    "session__persisted_events",
+)
+
+# At most this many users' queues are looked at per claim (those with the fewest running
+# runs first): the claim's cost depends on it, never on the number of queued runs.
+MAX_CLAIM_TENANTS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class _Head:
+    pk: Any
+    owner_id: Any
+    priority: int
+    created_at: datetime
+    parent_id: Any
+
+
+def _now_sql(vendor: str) -> str:
+    if vendor == "postgresql":
+        return "STATEMENT_TIMESTAMP()"
+    if vendor == "mysql":
+        return "UTC_TIMESTAMP(6)"
+    return "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"
+
+
+def _heads(
+    db: str,
+    queue: str | None,
+    clock: Clock,
+    running: dict[Any, int],
+    per_tenant: int | None,
+    max_active: int | None,
+    limit: int,
+) -> list[_Head]:
+    """Each eligible user's best ready queued runs (up to ``limit`` each), best first.
+
+    Two statements whose cost grows with the number of users that have queued runs, not
+    with the number of queued runs: the users come from a loose index scan (a recursive
+    query that seeks the next owner on the ``status, ready, owner, …`` index), then one
+    ``UNION ALL`` of per-user ``ORDER BY … LIMIT`` subqueries reads their heads.
+    """
+    connection = connections[db]
+    quote = connection.ops.quote_name
+    table = quote(Run._meta.db_table)
+    status, ready, owner = quote("status"), quote("ready"), quote("owner_id")
+    cancel, queue_col = quote("cancel_requested"), quote("queue")
+
+    def where(alias: str = "") -> str:
+        clause = f"{alias}{status} = %s AND {alias}{ready} = %s AND {alias}{cancel} = %s"
+        if queue is not None:
+            clause += f" AND {alias}{queue_col} = %s"
+        return clause
+
+    base = where()
+    base_params: list[Any] = [RunStatus.QUEUED, True, False]
+    if queue is not None:
+        base_params.append(queue)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"WITH RECURSIVE owners (o) AS ("
+            f" SELECT MIN({owner}) FROM {table} WHERE {base}"
+            f" UNION ALL"
+            f" SELECT (SELECT MIN(r.{owner}) FROM {table} r WHERE {where('r.')}"
+            f" AND r.{owner} > owners.o) FROM owners WHERE owners.o IS NOT NULL"
+            f") SELECT o FROM owners WHERE o IS NOT NULL",
+            base_params + base_params,
+        )
+        owners = [row[0] for row in cursor.fetchall()]
+    saturated_total = max_active is not None and sum(running.values()) >= max_active
+    eligible = [
+        o
+        for o in owners
+        if not saturated_total and (per_tenant is None or running.get(o, 0) < per_tenant)
+    ]
+    eligible.sort(key=lambda o: running.get(o, 0))
+    eligible = eligible[:MAX_CLAIM_TENANTS]
+    # Child runs count against no quota: a user whose own runs are saturated may still
+    # start them, so saturated users' heads are read for child runs only.
+    children_only = [o for o in owners if o not in set(eligible)][:MAX_CLAIM_TENANTS]
+    if clock is not None:
+        now_sql, now_params = "%s", [clock()]
+    else:
+        now_sql, now_params = _now_sql(connection.vendor), []
+    columns = ", ".join(quote(c) for c in ("id", "owner_id", "priority", "created_at", "parent_id"))
+    order_by = f"{quote('priority')} DESC, {quote('created_at')}, {quote('id')}"
+    parts: list[str] = []
+    params: list[Any] = []
+    for owners_, extra in (
+        (eligible, ""),
+        (children_only, f" AND {quote('parent_id')} IS NOT NULL"),
+    ):
+        for o in owners_:
+            parts.append(
+                f"SELECT * FROM (SELECT {columns} FROM {table} WHERE {base}"
+                f" AND {owner} = %s AND {quote('available_at')} <= {now_sql}{extra}"
+                f" ORDER BY {order_by} LIMIT %s) h{len(parts)}"
+            )
+            params += [*base_params, o, *now_params, limit]
+    if not parts:
+        return []
+    with connection.cursor() as cursor:
+        cursor.execute(" UNION ALL ".join(parts), params)
+        rows = cursor.fetchall()
+    # Raw values: ``created_at`` compares consistently within one database (a string on
+    # SQLite, a datetime elsewhere), which is all the ordering needs.
+    return [
+        _Head(
+            pk=Run._meta.pk.to_python(pk),
+            owner_id=o,
+            priority=int(priority),
+            created_at=created,
+            parent_id=parent,
+        )
+        for pk, o, priority, created, parent in rows
+    ]
+
+
+def _pick(
+    heads: list[_Head],
+    running: dict[Any, int],
+    *,
+    order: ClaimOrder,
+    limit: int,
+    max_active: int | None,
+    per_tenant: int | None,
+) -> list[Any]:
+    """Up to ``limit`` run ids in claim order under the shared `fair_order` rule, counting
+    each pick against its user's and the global limits."""
+    queues: dict[Any, list[_Head]] = {}
+    for head in heads:
+        key = head.owner_id if head.parent_id is None else ("child", head.pk)
+        queues.setdefault(key, []).append(head)
+    for items in queues.values():
+        items.sort(key=lambda h: (-h.priority, h.created_at, str(h.pk)))
+    counts = dict(running)
+    total = sum(running.values())
+    picked: list[Any] = []
+    while len(picked) < limit and queues:
+        candidates = [
+            ClaimCandidate(
+                tenant_id=items[0].owner_id if items[0].parent_id is None else None,
+                priority=items[0].priority,
+                submit_order=(items[0].created_at, str(items[0].pk)),
+                ref=key,
+            )
+            for key, items in queues.items()
+        ]
+        chosen = None
+        for candidate in fair_order(
+            candidates, counts, order=order, max_active_per_tenant=per_tenant
+        ):
+            if candidate.tenant_id is not None and max_active is not None and total >= max_active:
+                continue
+            chosen = candidate
+            break
+        if chosen is None:
+            break
+        head = queues[chosen.ref].pop(0)
+        if not queues[chosen.ref]:
+            del queues[chosen.ref]
+        picked.append(head.pk)
+        if head.parent_id is None:
+            counts[head.owner_id] = counts.get(head.owner_id, 0) + 1
+            total += 1
+    return picked
 
 
 @contextmanager
@@ -650,7 +899,10 @@ def requeue(
     if error is not None:
         values["error"] = error
     with transaction.atomic(using=using):
-        return rows.update(**values) == 1
+        requeued = rows.update(**values) == 1
+        if requeued:
+            wakeups.notify("run", using=using)
+        return requeued
 
 
 # The token is cleared too, so a stale lease can never match a requeued row; the row keeps
@@ -765,7 +1017,7 @@ def _end(
             error=error,
             result=None,
             interaction=None,
-            finished_at=Now(),
+            finished_at=DbNow(),
             lease_owner="",
             lease_expires_at=None,
             **(extra or {}),
@@ -790,9 +1042,13 @@ def _stop(run_id: Any, reason: StopRequest, *, using: str) -> None:
     to stop (its worker ends it at its next step; the reaper if its worker is dead)."""
     if cancel_queued(run_id, reason=reason, using=using):
         return
-    Run.objects.using(using).filter(pk=run_id, status=RunStatus.RUNNING).update(
-        cancel_requested=True, stop_request=reason
+    asked = (
+        Run.objects.using(using)
+        .filter(pk=run_id, status=RunStatus.RUNNING)
+        .update(cancel_requested=True, stop_request=reason)
     )
+    if asked:
+        wakeups.notify("cancel", str(run_id), using=using)
 
 
 def cancel_queued(
@@ -865,12 +1121,15 @@ def resume(run_id: Any, resolution: dict[str, Any], *, using: str = DEFAULT_DB_A
         if run is None:
             return False
         interaction = {**(run["interaction"] or {}), "resolution": resolution}
-        return (
+        resumed = (
             Run.objects.using(using)
             .filter(pk=run_id, status=RunStatus.SUSPENDED)
-            .update(status=RunStatus.QUEUED, available_at=Now(), interaction=interaction)
+            .update(status=RunStatus.QUEUED, available_at=DbNow(), interaction=interaction)
             == 1
         )
+        if resumed:
+            wakeups.notify("run", using=using)
+        return resumed
 
 
 # ------------------------------------------------------------------------------ worker side
@@ -956,6 +1215,76 @@ class Finish:
         _promote_next(session_id, using)
         return self.rollback
 
+    @property
+    def batchable(self) -> bool:
+        """Whether `apply_many` may take it (a rollback rewrites its session: alone)."""
+        return not self.rollback
+
+    @classmethod
+    def apply_many(cls, finishes: list[Finish], using: str) -> None:
+        """Finish many runs in a fixed number of statements (the session store's group
+        commit): one pipelined conditional UPDATE per run, one archive upsert, one look for
+        sessions with a run waiting its turn. Raises ``scheduler.fence_rejected`` if any
+        run's lease no longer holds (the caller then retries them one by one)."""
+        connection = connections[using]
+        quote = connection.ops.quote_name
+        now_sql = _now_sql(connection.vendor)
+        pk = Run._meta.pk
+        json_field = Run._meta.get_field("result")
+        sql = (
+            f"UPDATE {quote(Run._meta.db_table)} SET {quote('status')} = %s,"
+            f" {quote('result')} = %s, {quote('error')} = %s, {quote('finished_at')} = {now_sql},"
+            f" {quote('lease_owner')} = '', {quote('lease_expires_at')} = NULL,"
+            f" {quote('interaction')} = NULL, {quote('cancel_requested')} = %s,"
+            f" {quote('updated_at')} = {now_sql}"
+            f" WHERE {quote('id')} = %s AND {quote('lease_owner')} = %s"
+            f" AND {quote('lease_token')} = %s AND {quote('status')} = %s"
+            f" AND {quote('lease_expires_at')} > {now_sql}"
+        )
+        params = [
+            (
+                f.status,
+                json_field.get_db_prep_value(f.result, connection),
+                json_field.get_db_prep_value(f.error, connection),
+                f.status in (RunStatus.CANCELLED, RunStatus.INTERRUPTED),
+                pk.get_db_prep_value(_as_uuid(f.fence.run_id), connection),
+                f.fence.lease_owner,
+                f.fence.lease_token,
+                RunStatus.RUNNING,
+            )
+            for f in finishes
+        ]
+        with connection.cursor() as cursor:
+            cursor.executemany(sql, params)
+            touched = cursor.rowcount
+        if touched != len(finishes):
+            raise FenceRejected(None)
+        ids = [_as_uuid(f.fence.run_id) for f in finishes]
+        if _archiver is not None:
+            outcomes = {
+                _as_uuid(f.fence.run_id): (f.status, f.result, f.error, f.flow_outputs)
+                for f in finishes
+            }
+            _archiver(_archive_records(ids, outcomes, using), using)
+        waiting = (
+            Run.objects.using(using)
+            .filter(
+                session_id__in=Run.objects.using(using).filter(pk__in=ids).values("session_id"),
+                status=RunStatus.QUEUED,
+                ready=False,
+            )
+            .values_list("session_id", flat=True)
+            .distinct()
+        )
+        for session_id in list(waiting):
+            _promote_next(session_id, using)
+
+
+def _as_uuid(value: Any) -> Any:
+    import uuid
+
+    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
+
 
 def remove_run_events(session_id: Any, run_id: Any, *, using: str = DEFAULT_DB_ALIAS) -> int:
     """Remove a run's events from its session and renumber the later ones (multitask
@@ -1018,9 +1347,10 @@ def finish(
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Outcome:
     """How an execution ended, as the executor reports it to the dispatcher, which commits
-    it (`commit_spec`): a terminal status with its result or error, or ``suspended`` with
-    the interaction a reply resolves. ``rollback`` removes the run's events (multitask
-    rollback)."""
+    it in one transaction (`events` with `transition`): a terminal status with its result
+    or error, or ``suspended`` with the interaction a reply resolves. ``rollback`` removes
+    the run's events (multitask rollback); ``pending`` are the execution's events not
+    committed yet, written first."""
 
     status: str
     session_id: Any
@@ -1029,16 +1359,18 @@ class Outcome:
     flow_outputs: dict[str, Any] | None = None
     interaction: dict[str, Any] | None = None
     rollback: bool = False
+    pending: tuple[tuple[str, Any], ...] = ()
 
     def events(self) -> list[tuple[str, Any]]:
         if self.status == RunStatus.SUSPENDED:
-            return [
+            own = [
                 ("run.suspended", {"code": (self.interaction or {}).get("code")}),
                 ("interaction.requested", self.interaction),
             ]
-        return [
-            (TERMINAL_EVENTS[self.status], terminal_payload(self.status, self.result, self.error))
-        ]
+        else:
+            payload = terminal_payload(self.status, self.result, self.error)
+            own = [(TERMINAL_EVENTS[self.status], payload)]
+        return [*self.pending, *own]
 
     def transition(self, fence: Fence) -> Suspend | Finish:
         if self.status == RunStatus.SUSPENDED:

@@ -32,11 +32,15 @@ from django.db import (
     DEFAULT_DB_ALIAS,
     DatabaseError,
     IntegrityError,
+    InterfaceError,
+    InternalError,
+    OperationalError,
     connections,
     transaction,
 )
 from django.utils import timezone
 
+from sageproject.db import db_call
 from sageproject.errors import (
     ConflictError,
     NotFoundError,
@@ -511,9 +515,20 @@ class _Writer(threading.Thread):
             )
             if touched != len(live):
                 raise session_conflict("(batch)")
+            # Run transitions: those of one kind that can be applied together (finishes)
+            # go in one set of statements; the rest one by one.
+            grouped: dict[Any, list[_Commit]] = {}
             for i in live:
-                if commits[i].transition is not None:
-                    commits[i].rewritten = bool(commits[i].transition(using))
+                transition = commits[i].transition
+                if transition is None:
+                    continue
+                many = getattr(type(transition), "apply_many", None)
+                if many is None or not getattr(transition, "batchable", False):
+                    commits[i].rewritten = bool(transition(using))
+                else:
+                    grouped.setdefault(many, []).append(commits[i])
+            for many, group in grouped.items():
+                many([c.transition for c in group], using)
         except Exception as exc:
             raise _BatchFailed from exc
         return outcomes
@@ -567,8 +582,11 @@ def _translate(exc: BaseException, session_id: str | None) -> BaseException:
     if isinstance(exc, IntegrityError):
         error: SageError = session_conflict(session_id or "?")
     elif isinstance(exc, DatabaseError):
+        # The database being unreachable, restarting or ending the session is worth
+        # retrying; a statement it refuses (a programming or data error) is not.
+        transient = isinstance(exc, OperationalError | InterfaceError | InternalError)
         error = UnavailableError(
-            "store.write_failed", f"the event write failed: {exc}", retryable=True
+            "store.write_failed", f"the event write failed: {exc}", retryable=transient
         )
     else:
         return exc
@@ -773,7 +791,9 @@ class SessionStoreCoordinator:
     async def _open_locked(self, key: str) -> _SessionState:
         state = self._states.get(key)
         if state is None:
-            state = await self.call_in_writer(key, lambda: self._load_sync(key))
+            # Reads go through a thread of their own, not the writer: the writer's
+            # connection is for commits (the session's lock orders this read after them).
+            state = await db_call(self._load_sync, key)
             self._states[key] = state
             self._evict()
         else:
@@ -782,6 +802,8 @@ class SessionStoreCoordinator:
 
     def _evict(self) -> None:
         # Drop the least recently used sessions nobody is working on.
+        if len(self._states) <= self._max_open:
+            return
         for key in list(self._states):
             if len(self._states) <= self._max_open:
                 return
@@ -1007,10 +1029,13 @@ class SessionStoreCoordinator:
 
     # -- reading --------------------------------------------------------------------
 
-    async def history(self, session_id: Any, *, fresh: bool = False) -> list[SessionEvent]:
+    async def history(
+        self, session_id: Any, *, fresh: bool = False, known_empty: bool = False
+    ) -> list[SessionEvent]:
         """The session's current history (a new list of the shared event objects).
 
-        With ``fresh``, a cached history is first checked against the database's durable
+        ``known_empty``: the caller knows the session has no events (no read needed). With
+        ``fresh``, a cached history is first checked against the database's durable
         prefix — its length and its last event (two primary-key reads) — and reloaded when
         another process has moved the session on or rewritten it (a rollback removes events,
         so a length alone could match again), so a run never starts from a stale
@@ -1018,8 +1043,15 @@ class SessionStoreCoordinator:
         """
         async with self.locked(session_id) as (key,):
             state = self._states.get(key)
+            if state is None and known_empty:
+                # The caller just read (under the run's lease) that the session has no
+                # events yet: nothing to load. A wrong guess only costs a session_conflict
+                # on the first commit, which reloads.
+                self._states[key] = _SessionState(key, [], 0, 0)
+                self._evict()
+                return []
             if fresh and state is not None:
-                durable = await self.call_in_writer(key, lambda: self._durable_prefix_sync(key))
+                durable = await db_call(self._durable_prefix_sync, key)
                 if durable != _prefix_marker(state):
                     del self._states[key]
             return list((await self._open_locked(key)).history)
@@ -1148,7 +1180,7 @@ async def append_events(
             if exc.code == "store.session_conflict":
                 # Someone else appended (the coordinator dropped its copy): reload, retry.
                 pass
-            elif exc.code == "store.write_failed":
+            elif exc.code == "store.write_failed" and exc.retryable:
                 logger.warning(
                     "store: writing run %s's events failed (%s); retrying in %.2fs",
                     run_id,

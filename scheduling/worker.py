@@ -36,10 +36,13 @@ from scheduling.dispatcher import Dispatcher, Execution
 from scheduling.leases import SchedulerQuotaGroup
 from scheduling.models import Run, RunStatus, WorkerSnapshot
 from scheduling.store import close_default_coordinator
+from scheduling.wakeups import Listener
 
 logger = logging.getLogger("sage.worker")
 
 SNAPSHOT_SECONDS = 3.0
+# The claim loop's longest idle poll once push wake-ups are listening.
+PUSH_IDLE_MAX = 1.0
 
 
 def queue_figures() -> dict[str, Any]:
@@ -113,6 +116,7 @@ class Worker:
             min(float(self.lease_seconds) / 3, float(self.heartbeat_seconds)), 0.05
         )
         self.recovered = 0
+        self.wakeups: Listener | None = None
         # Set when claiming stopped for good: the process should exit non-zero.
         self.failed: str | None = None
         self._figures: dict[str, Any] = {"per_user": {}, "per_queue": {}}
@@ -142,6 +146,10 @@ class Worker:
     async def run(self) -> None:
         """Run until ``request_stop``; then drain, requeue what is left and return."""
         await self.executor.start()
+        self.wakeups = Listener(self.dispatcher.on_wake, worker_id=self.worker_id)
+        await self.wakeups.start()
+        # With a push channel the poll is only the fallback for a lost wake-up.
+        self.dispatcher.idle_max = PUSH_IDLE_MAX
         try:
             self.recovered = await self.scheduler.reap_expired()
         except Exception as exc:  # the claim loop's reaping retries it
@@ -153,6 +161,7 @@ class Worker:
             await self.dispatcher.run(self._stopping)
         finally:
             await self.dispatcher.drain(self.grace_seconds)
+            await self.wakeups.close()
             await self.scheduler.close()
             publisher.cancel()
             await asyncio.gather(publisher, return_exceptions=True)
@@ -195,6 +204,7 @@ class Worker:
                 "claim_errors": dispatcher.claim_errors,
                 "last_claim_error": dispatcher.last_claim_error,
                 "permanent_error": dispatcher.permanent_error,
+                "wakeups": self.wakeups.snapshot() if self.wakeups is not None else None,
             },
             "executor": self.executor.capacity(),
         }

@@ -79,7 +79,7 @@ class StoreExecutor:
     def capacity(self) -> dict[str, Any]:
         return {}
 
-    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> Outcome:
+    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal, **_: Any) -> Outcome:
         assert self.dispatcher is not None
         run_key = str(run_id)
         user = self.dispatcher.executions[run_key].tenant or ""
@@ -177,7 +177,7 @@ class BlockingExecutor(StoreExecutor):
         self.started = asyncio.Event()
         self.reasons: list[str | None] = []
 
-    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> Outcome:
+    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal, **_: Any) -> Outcome:
         self.started.set()
         try:
             await asyncio.Event().wait()
@@ -262,15 +262,15 @@ class FlakyScheduler(DatabaseScheduler):
         self.claimed = asyncio.Event()
         self.raised = asyncio.Event()
 
-    async def claim(self, *args: Any, **kwargs: Any):
+    async def claim_many(self, *args: Any, **kwargs: Any):
         if self.failures:
             self.failures -= 1
             self.raised.set()  # the dispatcher handles the error before a waiter resumes
             raise self.error
-        lease = await super().claim(*args, **kwargs)
-        if lease is not None:
+        leases = await super().claim_many(*args, **kwargs)
+        if leases:
             self.claimed.set()
-        return lease
+        return leases
 
 
 async def test_it_keeps_claiming_after_transient_errors(one_run):

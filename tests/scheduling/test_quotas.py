@@ -58,7 +58,7 @@ class SharedExecutor:
     def capacity(self) -> dict[str, Any]:
         return {}
 
-    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal) -> Outcome:
+    async def execute(self, run_id: Any, fence: Fence, stop: StopSignal, **_: Any) -> Outcome:
         run_key = str(run_id)
         session_id = self.runs[run_key]
         try:

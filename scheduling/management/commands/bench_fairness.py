@@ -14,23 +14,27 @@ nobody) and with the default 8/2. Each line has every user's p50/p99 wait in ms 
 durations, and ``small_p99_runs``: the worst p99 of B-E divided by one run duration.
 P99 = sorted[min(n-1, int(0.99 n))]. These lines carry ``backend: memory``.
 
-The same four scenarios then run on the configured database (``backend: database``,
-paths ``db_fair_8x8`` ...; same keys, plus ``database`` and ``db_overhead_ms``): five
-throwaway users; every run a queued ``Run`` row in its own session (so the
-one-run-per-session rule holds none back), A's inserted at the start, B-E's after the
-settle time (their queue wait counts from the commit of that insert, and the slots are
-woken as an in-process submit wakes them). Each slot is a claim loop as the worker's
-dispatcher runs it: `DatabaseScheduler.claim_many` (one run, the scenario's order and
-per-user limit, counted in the database), waiting for a release in this process (or a
-poll interval, 0.05 s doubling to 0.5 s) when nothing is claimable; the "execution" is the
-same seeded sleep, and the run ends through the state machine with
-``DatabaseScheduler.release(lease, "completed")`` (``runs.finish``: fence check, terminal
-event, status, archive, in one transaction). ``db_overhead_ms`` is the median of a slot's
-claim + release time per run. The database scenarios use ``--db-big`` big-user runs
-(default 200; the in-memory ones ``--big``), since a claim and a finish cost milliseconds
-each; ``--backend`` picks memory, database or both (default). The database path deletes
-its users and rows at the end and refuses to start while the database holds queued or
-running runs (its claims would take them): use a scratch database.
+The same four scenarios then run on the configured database (``backend: database``, paths
+``db_fair_8x8`` ...; the same keys, plus ``database``, ``claims`` — claim transactions
+that took runs —, ``median_claim_ms`` and ``median_release_ms``): five throwaway users;
+every run a queued ``Run`` row in its own session (so the one-run-per-session rule holds
+none back), A's inserted at the start, B-E's in one transaction after the settle time
+(a run's queue wait counts from the commit of its insert; the claim loop is woken as an
+in-process submit wakes it). One claim loop runs as the worker's dispatcher does:
+`DatabaseScheduler.claim_many` fills the free slots in one transaction (the scenario's
+order and per-user limit, counted in the database); when nothing is claimable it waits
+for a release here (or the idle poll, 0.05 s doubling to 0.5 s). Each claimed run
+"executes" the same seeded sleep and ends through the state machine with
+``DatabaseScheduler.release(lease, "completed")`` (``runs.finish``: fence check,
+terminal event, status and archive in one transaction), which frees its slot.
+
+A claim and a finish cost milliseconds of database and ORM work each, so the database
+scenarios use their own ``--db-run-ms`` (default 250) and ``--db-big`` (default 60): at
+the in-memory 20 ms runs on 8 slots the database, not the claim order, would set the waits.
+Compare the orders within one backend, and the backends in run durations (``*_runs``).
+``--backend`` picks memory, database or both (default). The database path deletes its
+users and rows at the end and refuses to start while the database holds queued or running
+runs (its claims would take them): use a scratch database.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from typing import Any
 
 import orjson
 from django.core.management.base import BaseCommand, CommandError
-from django.db import connections
+from django.db import connections, transaction
 
 from sageproject.db import db_call
 from scheduling.db_scheduler import DatabaseScheduler
@@ -60,6 +64,7 @@ from scheduling.scheduler import (
     InMemoryScheduler,
     LeaseReleaseReason,
     SchedulerClaimPolicy,
+    WorkerLease,
     WorkItem,
 )
 
@@ -203,59 +208,88 @@ async def simulate_db(
     rng = random.Random(seed)
     scheduler = DatabaseScheduler(max_pending_items=big + small * len(SMALL_USERS) + 1)
     policy = SchedulerClaimPolicy(max_active_per_tenant=per_user, order=order)
+    worker_id = f"bench-fairness-{uuid.uuid4().hex[:6]}"
     clock = time.perf_counter
     user_of = {str(owner.pk): name for name, owner in owners.items()}
     submitted: dict[str, float] = {}
     waits: dict[str, list[float]] = {}
-    overheads: list[float] = []
+    claim_times: list[float] = []
+    release_times: list[float] = []
     total = big + small * len(SMALL_USERS)
-    done = asyncio.Event()
+    active: dict[str, asyncio.Task[None]] = {}
+    slot_freed = asyncio.Event()
+    stamped = asyncio.Event()
     finished = 0
 
-    def insert(batch: list[tuple[str, int]]) -> list[str]:
-        return [str(run) for user, count in batch for run, _ in queue_runs(owners[user], count)]
+    def insert(batch: list[tuple[str, int]]) -> tuple[list[str], float]:
+        with transaction.atomic():
+            run_ids = [
+                str(run) for user, count in batch for run, _ in queue_runs(owners[user], count)
+            ]
+        # Queued (visible to claims) from the insert's commit on.
+        return run_ids, clock()
 
     async def submit(batch: list[tuple[str, int]]) -> None:
-        run_ids = await db_call(insert, batch)
-        now = clock()  # queued (visible to claims) from the insert's commit on
+        stamped.clear()
+        run_ids, now = await db_call(insert, batch)
         submitted.update(dict.fromkeys(run_ids, now))
-        scheduler.notify()
+        stamped.set()
+        scheduler.notify()  # as an in-process submit wakes the claim loop
 
-    async def worker(name: str) -> None:
+    async def execute(lease: WorkerLease) -> None:
         nonlocal finished
+        try:
+            await asyncio.sleep(run_ms * (1 + rng.uniform(-jitter, jitter)) / 1000)
+            started = clock()
+            await scheduler.release(lease, LeaseReleaseReason.COMPLETED)
+            release_times.append(clock() - started)
+            finished += 1
+        finally:
+            active.pop(lease.run_id, None)
+            slot_freed.set()
+
+    async def claim_loop() -> None:
+        """The dispatcher's loop: fill free slots; when nothing is claimable, wait for a
+        release or submit here (or the idle poll interval)."""
         idle = IDLE_START
         while finished < total:
+            for task in [t for t in active.values() if t.done() and t.exception()]:
+                raise task.exception()  # type: ignore[misc]
+            free = slots - len(active)
+            if free == 0:
+                slot_freed.clear()
+                await slot_freed.wait()
+                continue
             started = clock()
-            leases = await scheduler.claim_many(name, lease_duration=LEASE, limit=1, policy=policy)
+            leases = await scheduler.claim_many(
+                worker_id, lease_duration=LEASE, limit=free, policy=policy
+            )
             if not leases:
                 await scheduler.wait_for_change(idle)
                 idle = min(idle * 2, IDLE_MAX)
                 continue
-            idle = IDLE_START
-            lease = leases[0]
             claimed = clock()
-            overhead = claimed - started
-            user = user_of[lease.work.tenant_id or ""]
-            waits.setdefault(user, []).append(claimed - submitted[lease.run_id])
-            duration = run_ms * (1 + rng.uniform(-jitter, jitter)) / 1000
-            await asyncio.sleep(duration)
-            started = clock()
-            await scheduler.release(lease, LeaseReleaseReason.COMPLETED)
-            overheads.append(overhead + clock() - started)
-            finished += 1
-            if finished == total:
-                done.set()
+            claim_times.append(claimed - started)
+            idle = IDLE_START
+            for lease in leases:
+                while lease.run_id not in submitted:  # claimed before submit() resumed
+                    await stamped.wait()
+                user = user_of[lease.work.tenant_id or ""]
+                waits.setdefault(user, []).append(claimed - submitted[lease.run_id])
+                active[lease.run_id] = asyncio.create_task(execute(lease))
 
     await submit([("A", big)])
-    workers = [asyncio.create_task(worker(f"bench-{uuid.uuid4().hex[:6]}")) for _ in range(slots)]
+    loop_task = asyncio.create_task(claim_loop())
     try:
         await asyncio.sleep(settle * run_ms / 1000)
         await submit([(user, small) for user in SMALL_USERS])
-        await done.wait()
+        await loop_task
+        await asyncio.gather(*active.values())
     finally:
-        for task in workers:
+        loop_task.cancel()
+        for task in active.values():
             task.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
+        await asyncio.gather(loop_task, *active.values(), return_exceptions=True)
         await scheduler.close()
     completed = await db_call(
         lambda: Run.objects.filter(pk__in=list(submitted), status=RunStatus.COMPLETED).count()
@@ -274,7 +308,9 @@ async def simulate_db(
         jitter=jitter,
     )
     line["database"] = connections["default"].vendor
-    line["db_overhead_ms"] = round(statistics.median(overheads) * 1000, 2)
+    line["claims"] = len(claim_times)
+    line["median_claim_ms"] = round(statistics.median(claim_times) * 1000, 2)
+    line["median_release_ms"] = round(statistics.median(release_times) * 1000, 2)
     return line
 
 
@@ -288,7 +324,14 @@ class Command(BaseCommand):
         parser.add_argument("--slots", type=int, default=8)
         parser.add_argument("--big", type=int, default=500)
         parser.add_argument(
-            "--db-big", type=int, default=200, help="the big user's runs on the database"
+            "--db-big", type=int, default=60, help="the big user's runs on the database"
+        )
+        parser.add_argument(
+            "--db-run-ms",
+            type=float,
+            default=250.0,
+            help="a run's duration on the database (long enough that claims and finishes "
+            "keep up with the slots)",
         )
         parser.add_argument("--small", type=int, default=5)
         parser.add_argument("--run-ms", type=float, default=20.0)
@@ -310,21 +353,26 @@ class Command(BaseCommand):
             or options["db_big"] < 1
             or options["small"] < 1
             or options["run_ms"] <= 0
+            or options["db_run_ms"] <= 0
         ):
-            raise CommandError("slots, big, db-big, small and run-ms must be positive")
+            raise CommandError("slots, big, db-big, small, run-ms and db-run-ms must be positive")
         if not 0 <= options["jitter"] < 1:
             raise CommandError("jitter must be in [0, 1)")
         backend = options["backend"]
-        scenario = {
-            key: options[key] for key in ("slots", "small", "run_ms", "jitter", "settle", "seed")
-        }
+        scenario = {key: options[key] for key in ("slots", "small", "jitter", "settle", "seed")}
         limits = [
             (per_user, order) for per_user in (slots, min(2, slots)) for order in ("fair", "oldest")
         ]
         if backend in ("memory", "both"):
             for per_user, order in limits:
                 line = asyncio.run(
-                    simulate(order=order, per_user=per_user, big=options["big"], **scenario)
+                    simulate(
+                        order=order,
+                        per_user=per_user,
+                        big=options["big"],
+                        run_ms=options["run_ms"],
+                        **scenario,
+                    )
                 )
                 self._emit(line)
         if backend in ("database", "both"):
@@ -338,6 +386,7 @@ class Command(BaseCommand):
                             order=order,
                             per_user=per_user,
                             big=options["db_big"],
+                            run_ms=options["db_run_ms"],
                             **scenario,
                         )
                     )

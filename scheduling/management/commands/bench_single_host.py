@@ -9,10 +9,11 @@ simulates ``--io-ms`` of storage I/O with ``asyncio.sleep``. Two paths, one JSON
 - ``per_run``: `InMemoryScheduler.execute_fenced` — the global state is touched only to
   check and record protection, writes of different runs overlap.
 
-Fields: path, backend, sessions, writes (total completed), simulated_io_ms, elapsed_ms, ideal_ms
-(writes per run * io), ratio_to_ideal, peak_concurrent_writes, median_write_ms,
-p95_write_ms (sorted[min(n-1, int(0.95 n))]), and on ``per_run`` the speedup over the
-baseline. No model, no database. Asserts every write completed and no pin is left.
+Fields: path, backend (``memory``), sessions, writes (total completed), simulated_io_ms,
+elapsed_ms, ideal_ms (writes per run * io), ratio_to_ideal, peak_concurrent_writes,
+median_write_ms, p95_write_ms (sorted[min(n-1, int(0.95 n))]), runs_per_s, and on
+``per_run`` the speedup over the baseline. No model, no database. Asserts every write
+completed and no pin is left.
 
 Each path is measured ``--repeat`` times (default 3) and the fastest repetition is
 reported (``repeats`` says how many), with the garbage collector paused while a
@@ -280,8 +281,8 @@ async def measure_db(owners: list[Any], sessions: int, writes: int, io_ms: float
 async def best_of(
     measure_one: Callable[[], Awaitable[dict[str, Any]]], repeat: int
 ) -> dict[str, Any]:
-    runs_ = [await measure_one() for _ in range(repeat)]
-    best = min(runs_, key=lambda line: line["elapsed_ms"])
+    results = [await measure_one() for _ in range(repeat)]
+    best = min(results, key=lambda line: line["elapsed_ms"])
     best["repeats"] = repeat
     return best
 

@@ -1,0 +1,1421 @@
+"""``manage.py bench_e2e``: this host end to end, side by side with other task queues.
+
+One invocation measures, on the configured database, one JSON line per path (stdout; progress
+on stderr only when it is a terminal):
+
+- ``claim``: time of one ``DatabaseScheduler().claim_many(worker, lease_duration=30 s,
+  limit=32)`` with ``--claim-queued`` queued runs (default 100 and 10,000; rows bulk
+  inserted, one session each, over four users, planner statistics refreshed, no worker
+  running). Median and p90 of ``--claim-repeat`` claims per size after two warm-up claims;
+  the claimed runs are requeued (``release(..., worker_shutdown)``, untimed) between claims,
+  so the queue keeps its size. ``ratio``: median at the largest size over the smallest
+  (target ≤ 1.5).
+- ``throughput``: ``--n`` runs (default 5,000) submitted as fast as the benchmark process can
+  with the ordinary in-process call (``agents.services.run_submit``, one session per run,
+  spread over ``--users`` users; ``--submit-threads`` threads, default 1), while a
+  ``manage.py runworker`` subprocess executes them on the keyless ``scripted`` model (the
+  ``demo`` package). ``started_per_s`` = N / (first submit → ``Run.started_at`` of the last
+  run to start) (target ≥ 450). Also the submit rate alone and how the runs ended.
+- ``latency``: ``--latency-n`` submissions (default 500) at a steady ``--rate`` (default
+  50/s); each is timestamped (``time.time()``) just before its submit call; latency =
+  ``Run.started_at`` minus that time (p50 target ≤ 3 ms, p99 ≤ 5 ms). ``started_at`` is set by
+  the claim from the database's clock; the database runs on this machine, so both are this
+  machine's wall clock (on SQLite ``started_at`` has millisecond resolution).
+- ``http_admission``: the web process as production starts it (``uvicorn
+  sageproject.asgi:application --workers 2`` on 127.0.0.1, the worker running), and
+  ``--http-clients`` (default 50) concurrent clients (httpx, one process) POSTing
+  ``/api/v1/runs/`` with API tokens for ``--http-seconds`` (default 10): requests/s, p50/p99,
+  the answers by status (202, 429, …) and how long the worker took to drain what was admitted
+  (target ≥ 500 req/s, p99 ≤ 100 ms).
+- ``event_to_sse``: live ``message.delta`` events are not streamed yet (the session stream,
+  ``GET /api/v1/sessions/{id}/stream/``, polls durable events), so instead of model token →
+  SSE client this measures a run's durable ``run.completed`` event (its ``created_at``) →
+  its arrival at an SSE client already connected (``--sse-n`` runs, 10 at a time); the line
+  says so in ``note``.
+
+Peers (``--peers``, default all; PostgreSQL only): the same trivial task — the task writes
+``time.time()`` into a Redis hash as its first act — measured with the same throughput and
+latency functions, the same N, rate and submit threads, started by the peer's ordinary
+in-process call, each with a worker subprocess of comparable concurrency:
+
+- ``procrastinate``: ``defer``; its schema in a PostgreSQL schema of its own
+  (``bench_e2e_procrastinate_<tag>``) in the same database, created and dropped here; worker
+  ``procrastinate worker --concurrency C`` (LISTEN/NOTIFY, async task).
+- ``celery``: Celery 5 over Redis (``--redis-url``, default ``redis://127.0.0.1:6379/13``),
+  ``delay``; worker ``celery worker --pool=threads --concurrency C``.
+- ``django-tasks-db``: ``enqueue`` (Django 6's ``django.tasks``) on django-tasks-db's
+  database backend, in a sibling database (``<name>_bench_dtdb_<tag>``, created, migrated
+  and dropped here: its migrations cannot be reversed); ``--db-worker-processes``
+  ``manage.py db_worker`` processes (it runs one task at a time per process; default
+  ``min(C, 2 * CPUs)``), polling every ``--db-worker-interval`` s (default 0.05; it has no
+  push).
+
+Each peer runs in a driver subprocess (this command with ``--peer-driver NAME``) under
+``DJANGO_SETTINGS_MODULE=benchpeers.settings`` (``sageproject.settings`` plus
+``django_tasks_db``); the peers' code is in ``benchpeers/`` and their packages in
+``requirements-bench.txt`` — neither is needed by ``make run`` or ``make test``. A peer that
+cannot run prints ``{"path": "peer", "peer": NAME, "skipped": REASON}``. A peer's line has
+``started_per_s``, ``submits_per_s``, ``latency_p50_ms``, ``latency_p99_ms``, …; ``start``
+there is the task's own timestamp. The host's ``throughput`` line carries
+``ratio_to_<peer>`` = ours / the peer's ``started_per_s`` (> 1: we start more runs per
+second); its ``latency`` line ``ratio_to_<peer>`` = ``{"p50", "p99"}`` ours / the peer's
+(< 1: we start sooner).
+
+Every worker runs at log level WARNING (no line per task anywhere). This host's worker gets
+``SAGE_SERVER_MAX_CONCURRENT_RUNS`` = ``..._PER_USER`` = ``SAGE_MAX_CONCURRENT_MODEL_CALLS``
+= ``--concurrency`` (default 32) and pending limits high enough for the benchmark
+(``SAGE_SERVER_MAX_PENDING_RUNS`` and ``..._PER_USER``, also raised in this process and the
+web process); nothing else is tuned.
+
+Clean-up, on failure and on SIGTERM/Ctrl-C too: every subprocess started here is stopped;
+the benchmark's users (``bench-<hex>-…``) with their packages, sessions, runs, events,
+archives and tokens, its worker's snapshot row, the ``scripted`` model record if it created
+it, the procrastinate schema, the django-tasks-db database and the Redis keys it added are
+removed. Like the other database benchmarks it refuses to start while the database holds
+queued or running runs: use a scratch database. SQLite (the embedded default) runs every
+path but the peers.
+
+Run it::
+
+    .venv/bin/pip install -r requirements-bench.txt         # the peers (bench only)
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/bench_e2e .venv/bin/python manage.py migrate
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/bench_e2e .venv/bin/python manage.py bench_e2e
+    .venv/bin/python manage.py bench_e2e --peers none       # SQLite, the embedded default
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.metadata
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import orjson
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+from django.db import connections
+from django.test.utils import override_settings
+
+ROOT = Path(settings.BASE_DIR)
+PEERS = ("procrastinate", "celery", "django-tasks-db")
+INSTALL_HINT = "pip install -r requirements-bench.txt"
+BIG_LIMIT = 1_000_000
+LEASE = timedelta(seconds=30)
+CLAIM_LIMIT = 32
+CLAIM_USERS = 4
+CLAIM_WARMUP = 2
+POLL_SECONDS = 0.25
+SSE_CONCURRENCY = 10
+TARGETS = {
+    "throughput": {"target_started_per_s": 450},
+    "latency": {"target_p50_ms": 3, "target_p99_ms": 5},
+    "http_admission": {"target_req_per_s": 500, "target_p99_ms": 100},
+    "claim": {"target_ratio_max": 1.5},
+}
+# Inherited variables that must not reach a subprocess (the test runner's, fault injection).
+_CLEARED_ENV = ("SAGE_TEST_DB_NAME", "SAGE_CRASH_AT", "SAGE_STOP_AT", "DJANGO_SETTINGS_MODULE")
+
+
+def progress(message: str) -> None:
+    if sys.stderr.isatty():
+        print(f"bench_e2e: {message}", file=sys.stderr, flush=True)
+
+
+def pct_ms(ordered: list[float], q: float) -> float:
+    """sorted[min(n-1, int(q n))] in ms, of an already sorted list of seconds."""
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 3)
+
+
+def distribution(seconds: list[float], prefix: str = "") -> dict[str, float]:
+    ordered = sorted(seconds)
+    return {
+        f"{prefix}p50_ms": pct_ms(ordered, 0.50),
+        f"{prefix}p99_ms": pct_ms(ordered, 0.99),
+        f"{prefix}mean_ms": round(statistics.fmean(ordered) * 1000, 3),
+        f"{prefix}max_ms": round(ordered[-1] * 1000, 3),
+    }
+
+
+def ratio_key(peer: str) -> str:
+    return "ratio_to_" + peer.replace("-", "_")
+
+
+# ----------------------------------------------------------------------------- database
+
+
+def database_url(alias: str = "default", name: str | None = None) -> str:
+    """A ``DATABASE_URL`` for a subprocess: this process's database (the test database under
+    the test runner), or the sibling database ``name`` on the same server."""
+    s = connections[alias].settings_dict
+    vendor = connections[alias].vendor
+    if vendor == "sqlite":
+        path = str(name or s["NAME"])
+        if path == ":memory:" or path.startswith("file:"):
+            raise CommandError("subprocesses need a file database, not an in-memory one")
+        return f"sqlite:///{path}"
+    scheme = {"postgresql": "postgres", "mysql": "mysql"}[vendor]
+    auth = quote(s["USER"] or "")
+    if s["PASSWORD"]:
+        auth += ":" + quote(s["PASSWORD"])
+    host = s["HOST"] or "127.0.0.1"
+    port = f":{s['PORT']}" if s["PORT"] else ""
+    query: dict[str, Any] = {}
+    if vendor == "postgresql":
+        options = dict(s.get("OPTIONS") or {})
+        pool = options.pop("pool", None)
+        options.pop("options", None)  # set again by sageproject.config
+        if isinstance(pool, dict):
+            query["pool_max"] = pool.get("max_size", 20)
+        elif not pool:
+            query["pool"] = "0"
+        query.update({k: v for k, v in options.items() if isinstance(v, str | int)})
+    suffix = f"?{urlencode(query)}" if query else ""
+    return f"{scheme}://{auth}@{host}{port}/{quote(name or s['NAME'])}{suffix}"
+
+
+def libpq_conninfo(alias: str = "default") -> str:
+    """A libpq connection string for this process's PostgreSQL database."""
+    from psycopg.conninfo import make_conninfo
+
+    s = connections[alias].settings_dict
+    params = {
+        "host": s["HOST"] or "127.0.0.1",
+        "port": s["PORT"] or None,
+        "user": s["USER"] or None,
+        "password": s["PASSWORD"] or None,
+        "dbname": s["NAME"],
+    }
+    return make_conninfo(**{k: v for k, v in params.items() if v})
+
+
+def analyze_runs() -> None:
+    """Refresh the planner's statistics of the run and session tables (not timed)."""
+    from scheduling.models import Run, Session
+
+    connection = connections["default"]
+    tables = [Run._meta.db_table, Session._meta.db_table]
+    with connection.cursor() as cursor:
+        for table in tables:
+            if connection.vendor == "postgresql":
+                cursor.execute(f'ANALYZE "{table}"')
+            elif connection.vendor == "mysql":
+                cursor.execute(f"ANALYZE TABLE `{table}`")
+                cursor.fetchall()
+        if connection.vendor == "sqlite":
+            cursor.execute("ANALYZE")
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+class Child:
+    """One subprocess in its own session, output to a log file; `stop` ends it by its pid."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def check(self) -> None:
+        if not self.alive():
+            raise CommandError(
+                f"{self.name} exited with status {self.proc.returncode}; its log ends:\n"
+                f"{self.tail()}"
+            )
+
+    def stop(self, grace: float = 20.0) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def child_env(db_url: str, concurrency: int, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _CLEARED_ENV}
+    env.update(
+        {
+            "DATABASE_URL": db_url,
+            "SECRET_KEY": settings.SECRET_KEY,
+            "PYTHONUNBUFFERED": "1",
+            "LOG_LEVEL": "WARNING",
+            "SAGE_SERVER_MAX_CONCURRENT_RUNS": str(concurrency),
+            "SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER": str(concurrency),
+            "SAGE_MAX_CONCURRENT_MODEL_CALLS": str(concurrency),
+            "SAGE_SERVER_MAX_PENDING_RUNS": str(BIG_LIMIT),
+            "SAGE_SERVER_MAX_PENDING_RUNS_PER_USER": str(BIG_LIMIT),
+        }
+    )
+    env.update(extra)
+    return env
+
+
+def wait_until(
+    what: str, ready: Callable[[], bool], timeout: float, children: list[Child] = ()
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        for child in children:
+            child.check()
+        if time.monotonic() > deadline:
+            tails = "".join(f"\n--- {c.name} ---\n{c.tail()}" for c in children)
+            raise CommandError(f"timed out after {timeout:.0f} s waiting for {what}{tails}")
+        time.sleep(POLL_SECONDS)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM raises SystemExit in the main thread, so clean-up runs as for Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ----------------------------------------------------------------------------- the method
+
+
+@dataclass
+class Batch:
+    """One path's submissions: per index, what to submit and (afterwards) what it made."""
+
+    label: str
+    key: str
+    handles: list[Any]
+    results: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.handles)
+
+
+class Target:
+    """What the throughput and latency functions drive: this host or a peer."""
+
+    name = ""
+
+    def prepare(self, count: int, label: str) -> Batch:  # untimed
+        raise NotImplementedError
+
+    def submit(self, batch: Batch, index: int) -> None:  # the ordinary in-process call
+        raise NotImplementedError
+
+    def starts(self, batch: Batch, timeout: float) -> list[float]:
+        """Wait until every submission started; each one's start (epoch seconds)."""
+        raise NotImplementedError
+
+    def settle(self, batch: Batch, timeout: float) -> dict[str, Any]:
+        """Wait until the batch is finished; figures about how it ended."""
+        return {}
+
+    def end_thread(self) -> None:
+        """Called at the end of each submitting thread."""
+
+
+def submit_all(target: Target, batch: Batch, threads: int) -> None:
+    count = len(batch.handles)
+    if threads <= 1:
+        for index in range(count):
+            target.submit(batch, index)
+        return
+    errors: list[BaseException] = []
+
+    def share(first: int) -> None:
+        try:
+            for index in range(first, count, threads):
+                target.submit(batch, index)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            target.end_thread()
+
+    pool = [threading.Thread(target=share, args=(t,), daemon=True) for t in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def warm_up(target: Target, count: int, timeout: float) -> None:
+    batch = target.prepare(count, "warmup")
+    submit_all(target, batch, 1)
+    target.starts(batch, timeout)
+    target.settle(batch, timeout)
+
+
+def measure_throughput(target: Target, n: int, threads: int, timeout: float) -> dict[str, Any]:
+    """N submissions as fast as possible; N / (first submit → start of the last one)."""
+    batch = target.prepare(n, "throughput")
+    first = time.time()
+    submit_all(target, batch, threads)
+    submitted = time.time()
+    starts = target.starts(batch, timeout)
+    last = max(starts)
+    ended = target.settle(batch, timeout)
+    return {
+        "n": n,
+        "submit_threads": threads,
+        "submit_s": round(submitted - first, 3),
+        "submits_per_s": round(n / (submitted - first), 1),
+        "first_submit_to_last_start_s": round(last - first, 3),
+        "started_per_s": round(n / (last - first), 1),
+        **ended,
+    }
+
+
+def measure_latency(target: Target, n: int, rate: float, timeout: float) -> dict[str, Any]:
+    """N submissions at a steady ``rate``; start minus the time just before each submit call."""
+    batch = target.prepare(n, "latency")
+    stamps = [0.0] * n
+    interval = 1.0 / rate
+    late = 0
+    began = time.perf_counter()
+    for index in range(n):
+        delay = began + index * interval - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        elif delay < -interval:
+            late += 1
+        stamps[index] = time.time()
+        target.submit(batch, index)
+    elapsed = time.perf_counter() - began
+    starts = target.starts(batch, timeout)
+    ended = target.settle(batch, timeout)
+    latencies = [start - stamp for start, stamp in zip(starts, stamps, strict=True)]
+    return {
+        "n": n,
+        "rate_per_s": rate,
+        "achieved_rate_per_s": round(n / elapsed, 1) if elapsed > 0 else None,
+        "late_submits": late,
+        **distribution(latencies),
+        "min_ms": round(min(latencies) * 1000, 3),
+        **ended,
+    }
+
+
+# ----------------------------------------------------------------------------- this host
+
+
+class HostTarget(Target):
+    """Runs of the ``demo`` package on the ``scripted`` model, one session per run,
+    submitted with ``agents.services.run_submit``; start = ``Run.started_at``."""
+
+    name = "sage"
+
+    def __init__(self, owners: list[tuple[Any, Any]], children: list[Child]) -> None:
+        self.owners = owners  # (user, package)
+        self.children = children  # checked while waiting: a dead worker fails the wait
+        self.tag = uuid.uuid4().hex[:8]
+
+    def prepare(self, count: int, label: str, owners: list[int] | None = None) -> Batch:
+        """``count`` fresh sessions dealt round-robin over the owners (or those at the
+        indexes ``owners``); their title tags the batch."""
+        from scheduling.models import Session
+
+        title = f"bench-e2e-{self.tag}-{label}-{uuid.uuid4().hex[:6]}"
+        dealt = [self.owners[i] for i in owners] if owners is not None else self.owners
+        rows = []
+        for index in range(count):
+            user, package = dealt[index % len(dealt)]
+            rows.append(
+                Session(
+                    owner=user,
+                    package_ref=package.ref,
+                    package_name=package.name,
+                    agent_id="assistant",
+                    title=title,
+                )
+            )
+        created = Session.objects.bulk_create(rows, batch_size=2000)
+        return Batch(label, title, [(s.owner, s.pk) for s in created])
+
+    def submit(self, batch: Batch, index: int) -> None:
+        from agents.services import run_submit
+
+        owner, session_id = batch.handles[index]
+        run, _ = run_submit(owner=owner, session_id=session_id, input="ping")
+        batch.results[index] = run.pk
+
+    def end_thread(self) -> None:
+        connections.close_all()
+
+    def _runs(self, batch: Batch) -> Any:
+        from scheduling.models import Run
+
+        return Run.objects.filter(session__title=batch.key)
+
+    def starts(self, batch: Batch, timeout: float) -> list[float]:
+        count = len(batch.handles)
+        runs = self._runs(batch)
+        wait_until(
+            f"{count} runs of {batch.label} to start",
+            lambda: runs.filter(started_at__isnull=False).count() >= count,
+            timeout,
+            self.children,
+        )
+        started = dict(runs.values_list("pk", "started_at"))
+        return [started[pk].timestamp() for pk in batch.results]
+
+    def settle(self, batch: Batch, timeout: float) -> dict[str, Any]:
+        from scheduling.models import UNFINISHED_STATUSES
+
+        runs = self._runs(batch)
+        wait_until(
+            f"the runs of {batch.label} to finish",
+            lambda: not runs.filter(status__in=UNFINISHED_STATUSES).exists(),
+            timeout,
+            self.children,
+        )
+        ended = Counter(runs.values_list("status", flat=True))
+        return {"runs_ended": dict(sorted(ended.items()))}
+
+
+def bench_owners(count: int, prefix: str) -> list[tuple[Any, Any]]:
+    """Throwaway users ``bench-<hex>-<prefix><i>``, each with the ``demo`` package."""
+    from agents import packages
+    from agents.management.commands.seed_demo import DEMO_MANIFEST
+    from scheduling.management.commands.bench_persist import bench_users
+
+    users = bench_users(f"{prefix}{i}" for i in range(count))
+    return [
+        (user, packages.package_create(owner=user, manifest=DEMO_MANIFEST)[0])
+        for user in users.values()
+    ]
+
+
+def ensure_scripted_record() -> Any:
+    """The shared ``scripted`` model record; returns it if created here (to delete), else None."""
+    from pooling.models import ModelRecord, Protocol
+
+    record, created = ModelRecord.objects.get_or_create(
+        owner=None,
+        name="scripted",
+        defaults={"protocol": Protocol.SCRIPTED, "model": "scripted-echo", "options": {}},
+    )
+    return record if created else None
+
+
+async def claim_path(owners: list[Any], sizes: list[int], repeat: int) -> dict[str, Any]:
+    from sageproject.db import db_call
+    from scheduling.db_scheduler import DatabaseScheduler
+    from scheduling.leases import LeaseReleaseReason
+    from scheduling.management.commands.bench_persist import queue_runs
+    from scheduling.models import Session
+
+    def seed(size: int) -> None:
+        for index, owner in enumerate(owners):
+            count = size // len(owners) + (1 if index < size % len(owners) else 0)
+            if count:
+                queue_runs(owner, count)
+        analyze_runs()
+
+    def clear() -> None:
+        Session.objects.filter(owner__in=owners).delete()
+
+    by_size: dict[str, Any] = {}
+    for size in sizes:
+        progress(f"claim: {size} queued runs")
+        await db_call(seed, size)
+        scheduler = DatabaseScheduler(max_pending_items=max(1024, size))
+        worker_id = f"bench-e2e-claim-{uuid.uuid4().hex[:6]}"
+        timings: list[float] = []
+        try:
+            for rep in range(CLAIM_WARMUP + repeat):
+                started = time.perf_counter()
+                leases = await scheduler.claim_many(
+                    worker_id, lease_duration=LEASE, limit=CLAIM_LIMIT
+                )
+                elapsed = time.perf_counter() - started
+                if len(leases) != min(CLAIM_LIMIT, size):
+                    raise CommandError(
+                        f"claimed {len(leases)} runs of {size} queued, expected "
+                        f"{min(CLAIM_LIMIT, size)}"
+                    )
+                for lease in leases:
+                    await scheduler.release(lease, LeaseReleaseReason.WORKER_SHUTDOWN)
+                if rep >= CLAIM_WARMUP:
+                    timings.append(elapsed)
+        finally:
+            await scheduler.close()
+            await db_call(clear)
+        ordered = sorted(timings)
+        by_size[str(size)] = {
+            "median_ms": round(statistics.median(ordered) * 1000, 3),
+            "p90_ms": pct_ms(ordered, 0.90),
+            "min_ms": round(ordered[0] * 1000, 3),
+            "claimed_per_call": min(CLAIM_LIMIT, size),
+        }
+    small, large = by_size[str(min(sizes))], by_size[str(max(sizes))]
+    return {
+        "path": "claim",
+        "limit": CLAIM_LIMIT,
+        "users": len(owners),
+        "repeat": repeat,
+        "by_queued": by_size,
+        "ratio": round(large["median_ms"] / small["median_ms"], 3),
+        **TARGETS["claim"],
+    }
+
+
+async def http_admission(
+    base: str, clients: list[tuple[str, list[str]]], seconds: float
+) -> dict[str, Any]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(clients), max_keepalive_connections=len(clients))
+    latencies: list[float] = []
+    statuses: Counter[int] = Counter()
+    reused = 0
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
+
+        async def post(token: str, session: str) -> int:
+            response = await client.post(
+                "/api/v1/runs/",
+                json={"session": session, "input": "ping"},
+                headers={"Authorization": f"Token {token}"},
+            )
+            return response.status_code
+
+        # Warm-up (untimed): one request per client opens its connection.
+        await asyncio.gather(*(post(token, sessions[0]) for token, sessions in clients))
+        deadline = time.perf_counter() + seconds
+
+        async def one(token: str, sessions: list[str]) -> None:
+            nonlocal reused
+            index = 1
+            while time.perf_counter() < deadline:
+                if index >= len(sessions):
+                    reused += 1  # queued behind its session's earlier run
+                started = time.perf_counter()
+                code = await post(token, sessions[index % len(sessions)])
+                latencies.append(time.perf_counter() - started)
+                statuses[code] += 1
+                index += 1
+
+        began = time.perf_counter()
+        await asyncio.gather(*(one(token, sessions) for token, sessions in clients))
+        elapsed = time.perf_counter() - began
+    return {
+        "path": "http_admission",
+        "clients": len(clients),
+        "seconds": round(elapsed, 3),
+        "requests": len(latencies),
+        "req_per_s": round(len(latencies) / elapsed, 1),
+        **distribution(latencies),
+        "status": {str(code): n for code, n in sorted(statuses.items())},
+        "sessions_reused": reused,
+    }
+
+
+async def event_to_sse(
+    base: str, token: str, owner: Any, sessions: list[Any], wait_s: float
+) -> dict[str, Any]:
+    import httpx
+
+    from agents.services import run_submit
+    from sageproject.db import db_call
+
+    def submit(session_id: Any) -> str:
+        run, _ = run_submit(owner=owner, session_id=session_id, input="ping")
+        return str(run.pk)
+
+    headers = {"Authorization": f"Token {token}"}
+    gate = asyncio.Semaphore(SSE_CONCURRENCY)
+    limits = httpx.Limits(max_connections=SSE_CONCURRENCY + 2)
+
+    async def one(client: httpx.AsyncClient, session_id: Any) -> tuple[float, float]:
+        async with gate:
+            url = f"/api/v1/sessions/{session_id}/stream/?after=0&timeout=120"
+            async with client.stream("GET", url, headers=headers) as response:
+                if response.status_code != 200:
+                    raise CommandError(f"GET {url} answered {response.status_code}")
+                lines = response.aiter_lines()
+                async for line in lines:
+                    if line.startswith("retry:"):
+                        break  # the stream is open and polling
+                submitted = time.time()
+                run_id = await db_call(submit, session_id)
+                event = ""
+                async for line in lines:
+                    if line.startswith("event: "):
+                        event = line[len("event: ") :]
+                    elif line.startswith("data: ") and event == "run.completed":
+                        received = time.time()
+                        data = orjson.loads(line[len("data: ") :])
+                        if data.get("run") == run_id:
+                            created = datetime.fromisoformat(data["created_at"]).timestamp()
+                            return received - created, received - submitted
+                    elif not line:
+                        event = ""
+        raise CommandError(f"the stream of session {session_id} ended before run.completed")
+
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=wait_s) as client:
+        results = await asyncio.gather(*(one(client, s) for s in sessions))
+    return {
+        "path": "event_to_sse",
+        "note": (
+            "live message.delta events are not streamed yet: the session stream polls "
+            "durable events (every 0.25 s), so this is a run's run.completed event "
+            "(created_at) to its arrival at a connected SSE client, not model token to client"
+        ),
+        "n": len(results),
+        "concurrent_streams": min(SSE_CONCURRENCY, len(results)),
+        **distribution([event for event, _ in results]),
+        **distribution([total for _, total in results], prefix="submit_to_client_"),
+    }
+
+
+# ----------------------------------------------------------------------------- peers
+
+
+class RedisStartsTarget(Target):
+    """A peer whose task records its start in a Redis hash (``benchpeers.recorder``)."""
+
+    children: list[Child]
+
+    def __init__(self, redis_url: str) -> None:
+        import redis
+
+        self.redis = redis.Redis.from_url(redis_url)
+        self.tag = uuid.uuid4().hex[:8]
+        self.keys: list[str] = []
+        self.children = []
+
+    def prepare(self, count: int, label: str) -> Batch:
+        key = f"bench-e2e:{self.tag}:{label}:{uuid.uuid4().hex[:6]}"
+        self.keys.append(key)
+        return Batch(label, key, list(range(count)))
+
+    def starts(self, batch: Batch, timeout: float) -> list[float]:
+        count = len(batch.handles)
+        wait_until(
+            f"{count} tasks of {batch.label} to start",
+            lambda: self.redis.hlen(batch.key) >= count,
+            timeout,
+            self.children,
+        )
+        values = self.redis.hgetall(batch.key)
+        return [float(values[str(i).encode()]) for i in range(count)]
+
+    def close(self) -> None:
+        if self.keys:
+            self.redis.delete(*self.keys)
+        self.redis.close()
+
+
+class CeleryPeer(RedisStartsTarget):
+    name = "celery"
+
+    def __init__(self, options: dict[str, Any], log_dir: Path) -> None:
+        super().__init__(options["redis_url"])
+        self.options = options
+        self.log_dir = log_dir
+        self.queue = f"bench-e2e-{self.tag}"
+        self.keys_before: set[bytes] = set()
+
+    def setup(self) -> dict[str, Any]:
+        self.redis.ping()
+        self.keys_before = set(self.redis.scan_iter(count=1000))
+        os.environ["BENCH_E2E_REDIS_URL"] = self.options["redis_url"]
+        os.environ["BENCH_E2E_CELERY_QUEUE"] = self.queue
+        from benchpeers.celery_app import record_start
+
+        self.task = record_start
+        concurrency = self.options["concurrency"]
+        argv = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "benchpeers.celery_app",
+            "worker",
+            "--pool=threads",
+            f"--concurrency={concurrency}",
+            "-Q",
+            self.queue,
+            "--without-heartbeat",
+            "--without-gossip",
+            "--without-mingle",
+            "--loglevel=WARNING",
+        ]
+        self.children.append(Child("celery-worker", argv, dict(os.environ), self.log_dir))
+        return {
+            "version": importlib.metadata.version("celery"),
+            "broker": self.options["redis_url"],
+            "worker": f"celery worker --pool=threads --concurrency={concurrency}",
+            "concurrency": concurrency,
+            "submit": "delay",
+        }
+
+    def submit(self, batch: Batch, index: int) -> None:
+        self.task.delay(batch.key, index)
+
+    def close(self) -> None:
+        for child in self.children:
+            child.stop()
+        # Only what appeared since setup: the queue, its binding, the start hashes.
+        added = set(self.redis.scan_iter(count=1000)) - self.keys_before
+        if added:
+            self.redis.delete(*added)
+        super().close()
+
+
+class ProcrastinatePeer(RedisStartsTarget):
+    name = "procrastinate"
+
+    def __init__(self, options: dict[str, Any], log_dir: Path) -> None:
+        super().__init__(options["redis_url"])
+        self.options = options
+        self.log_dir = log_dir
+        self.schema = f"bench_e2e_procrastinate_{self.tag}"
+        self.app: Any = None
+        self.created = False
+
+    def _execute(self, sql: str) -> None:
+        import psycopg
+
+        with psycopg.connect(libpq_conninfo(), autocommit=True) as conn:
+            conn.execute(sql)
+
+    def setup(self) -> dict[str, Any]:
+        self.redis.ping()
+        os.environ["BENCH_E2E_REDIS_URL"] = self.options["redis_url"]
+        os.environ["BENCH_E2E_PROCRASTINATE_DSN"] = libpq_conninfo()
+        os.environ["BENCH_E2E_PROCRASTINATE_SCHEMA"] = self.schema
+        from benchpeers.procrastinate_app import app, record_start
+
+        self._execute(f'CREATE SCHEMA "{self.schema}"')
+        self.created = True
+        self.app = app.open()
+        app.schema_manager.apply_schema()
+        self.task = record_start
+        concurrency = self.options["concurrency"]
+        argv = [
+            sys.executable,
+            "-m",
+            "procrastinate",
+            "--app=benchpeers.procrastinate_app.app",
+            "worker",
+            "--queues=bench-e2e",
+            f"--concurrency={concurrency}",
+        ]
+        self.children.append(Child("procrastinate-worker", argv, dict(os.environ), self.log_dir))
+        return {
+            "version": importlib.metadata.version("procrastinate"),
+            "schema": self.schema,
+            "worker": f"procrastinate worker --concurrency={concurrency} (LISTEN/NOTIFY)",
+            "concurrency": concurrency,
+            "submit": "defer",
+        }
+
+    def submit(self, batch: Batch, index: int) -> None:
+        self.task.defer(key=batch.key, i=index)
+
+    def close(self) -> None:
+        for child in self.children:
+            child.stop()
+        if self.app is not None:
+            self.app.close()
+        if self.created:
+            self._execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
+        super().close()
+
+
+class DjangoTasksDbPeer(RedisStartsTarget):
+    """Runs in a driver whose database is the sibling database the parent created."""
+
+    name = "django-tasks-db"
+
+    def __init__(self, options: dict[str, Any], log_dir: Path) -> None:
+        super().__init__(options["redis_url"])
+        self.options = options
+        self.log_dir = log_dir
+
+    def setup(self) -> dict[str, Any]:
+        self.redis.ping()
+        os.environ["BENCH_E2E_REDIS_URL"] = self.options["redis_url"]
+        from benchpeers.tasks import record_start
+
+        self.task = record_start
+        processes = self.options["db_worker_processes"]
+        interval = self.options["db_worker_interval"]
+        env = {**os.environ, "DJANGO_SETTINGS_MODULE": "benchpeers.settings"}
+        for index in range(processes):
+            argv = [
+                sys.executable,
+                str(ROOT / "manage.py"),
+                "db_worker",
+                "--interval",
+                str(interval),
+                "--no-startup-delay",
+                "--no-reload",
+                "--queue-name",
+                "default",
+                "--verbosity",
+                "0",
+                "--worker-id",
+                f"bench-e2e-{self.tag}-{index}",
+            ]
+            self.children.append(Child(f"db-worker-{index}", argv, env, self.log_dir))
+        return {
+            "version": importlib.metadata.version("django-tasks-db"),
+            "database": connections["default"].settings_dict["NAME"],
+            "worker": f"{processes} x manage.py db_worker --interval {interval}",
+            "concurrency": processes,
+            "submit": "enqueue",
+        }
+
+    def submit(self, batch: Batch, index: int) -> None:
+        self.task.enqueue(batch.key, index)
+
+    def end_thread(self) -> None:
+        connections.close_all()
+
+    def close(self) -> None:
+        for child in self.children:
+            child.stop()
+        super().close()
+
+
+PEER_CLASSES = {
+    "celery": CeleryPeer,
+    "procrastinate": ProcrastinatePeer,
+    "django-tasks-db": DjangoTasksDbPeer,
+}
+PEER_MODULES = {
+    "celery": "celery",
+    "procrastinate": "procrastinate",
+    "django-tasks-db": "django_tasks_db",
+}
+
+
+def peer_driver(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Measure one peer in this (driver) process: its line (``skipped`` or ``error`` when
+    it could not be measured)."""
+    line: dict[str, Any] = {"path": "peer", "peer": name}
+    if find_spec(PEER_MODULES[name]) is None:
+        return {**line, "skipped": f"{PEER_MODULES[name]} is not installed ({INSTALL_HINT})"}
+    try:
+        import redis
+
+        redis.Redis.from_url(options["redis_url"], socket_timeout=2).ping()
+    except Exception as exc:
+        return {**line, "skipped": f"Redis at {options['redis_url']} unreachable: {exc}"}
+    timeout = options["timeout"]
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as logs:
+        peer = PEER_CLASSES[name](options, Path(logs))
+        try:
+            line.update(peer.setup())
+            progress(f"{name}: warm-up")
+            warm_up(peer, 2 * options["concurrency"], timeout)
+            progress(f"{name}: throughput, {options['n']} tasks")
+            throughput = measure_throughput(peer, options["n"], options["submit_threads"], timeout)
+            progress(f"{name}: latency, {options['latency_n']} at {options['rate']}/s")
+            latency = measure_latency(peer, options["latency_n"], options["rate"], timeout)
+        except Exception as exc:
+            traceback.print_exc()
+            return {**line, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        finally:
+            peer.close()
+    line.update(throughput)
+    line["start"] = "the task's time.time(), its first act"
+    line.update({f"latency_{k}": v for k, v in latency.items()})
+    return line
+
+
+# ----------------------------------------------------------------------------- command
+
+
+def parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise CommandError("--claim-queued takes comma-separated integers") from None
+    if len(sizes) < 1 or sizes[0] < 1:
+        raise CommandError("--claim-queued sizes must be positive")
+    return sizes
+
+
+def parse_peers(text: str) -> list[str]:
+    text = text.strip().lower()
+    if text in ("", "none"):
+        return []
+    if text == "all":
+        return list(PEERS)
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in PEERS]
+    if unknown:
+        raise CommandError(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)}")
+    return names
+
+
+class Command(BaseCommand):
+    help = (
+        "End-to-end figures of this host (claim time, runs started/s, submit→start latency, "
+        "HTTP admission, event→SSE) side by side with procrastinate, Celery + Redis and "
+        "django-tasks-db doing trivial tasks (bench-only packages: requirements-bench.txt; "
+        "each peer measured in a subprocess with DJANGO_SETTINGS_MODULE=benchpeers.settings). "
+        "One JSON line per path. Use a scratch database; SQLite runs without peers."
+    )
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--n", type=int, default=5000, help="throughput submissions")
+        parser.add_argument("--latency-n", type=int, default=500, help="latency submissions")
+        parser.add_argument("--rate", type=float, default=50.0, help="latency submits per s")
+        parser.add_argument(
+            "--submit-threads",
+            type=int,
+            default=1,
+            help="threads sharing the throughput submissions (peers get the same)",
+        )
+        parser.add_argument(
+            "--concurrency",
+            type=int,
+            default=32,
+            help="runs executing at once in our worker; Celery/procrastinate worker concurrency",
+        )
+        parser.add_argument("--users", type=int, default=8, help="owners of the runs")
+        parser.add_argument(
+            "--claim-queued", default="100,10000", help="queue sizes of the claim path"
+        )
+        parser.add_argument("--claim-repeat", type=int, default=15)
+        parser.add_argument("--skip-claim", action="store_true")
+        parser.add_argument("--http-clients", type=int, default=50)
+        parser.add_argument("--http-seconds", type=float, default=10.0)
+        parser.add_argument("--web-workers", type=int, default=2, help="uvicorn --workers")
+        parser.add_argument(
+            "--skip-http", action="store_true", help="skip http_admission and event_to_sse"
+        )
+        parser.add_argument("--sse-n", type=int, default=100, help="runs of event_to_sse")
+        parser.add_argument(
+            "--peers",
+            default="all",
+            help="none, all, or a comma-separated subset of " + ", ".join(PEERS),
+        )
+        parser.add_argument(
+            "--redis-url",
+            default="redis://127.0.0.1:6379/13",
+            help="Redis for Celery's broker and the peers' start times",
+        )
+        parser.add_argument(
+            "--db-worker-processes",
+            type=int,
+            default=None,
+            help="django-tasks-db db_worker processes (default min(concurrency, 2 x CPUs))",
+        )
+        parser.add_argument("--db-worker-interval", type=float, default=0.05)
+        parser.add_argument(
+            "--timeout", type=float, default=600.0, help="longest wait of any one step (s)"
+        )
+        parser.add_argument("--peer-driver", default=None, help=argparse.SUPPRESS)
+
+    def _emit(self, line: dict[str, Any]) -> None:
+        self.stdout.write(orjson.dumps(line).decode())
+        self.stdout.flush()
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        for name in ("n", "latency_n", "submit_threads", "concurrency", "users", "claim_repeat"):
+            if options[name] < 1:
+                raise CommandError(f"--{name.replace('_', '-')} must be positive")
+        if options["rate"] <= 0 or options["http_seconds"] <= 0 or options["timeout"] <= 0:
+            raise CommandError("--rate, --http-seconds and --timeout must be positive")
+        if options["http_clients"] < 1 or options["sse_n"] < 1 or options["web_workers"] < 1:
+            raise CommandError("--http-clients, --sse-n and --web-workers must be positive")
+        if options["db_worker_processes"] is None:
+            options["db_worker_processes"] = min(options["concurrency"], 2 * (os.cpu_count() or 1))
+        if options["peer_driver"]:
+            with sigterm_as_exit():
+                self._emit(peer_driver(options["peer_driver"], options))
+            return
+        sizes = parse_sizes(options["claim_queued"])
+        peers = parse_peers(options["peers"])
+        vendor = connections["default"].vendor
+        from scheduling.management.commands.bench_persist import require_scratch_queue
+
+        require_scratch_queue()
+        with sigterm_as_exit():
+            peer_lines: dict[str, dict[str, Any]] = {}
+            for peer in peers:
+                if vendor != "postgresql":
+                    line = {
+                        "path": "peer",
+                        "peer": peer,
+                        "skipped": f"peers run on PostgreSQL only (this is {vendor})",
+                    }
+                else:
+                    line = self._run_peer(peer, options)
+                peer_lines[peer] = line
+                self._emit(line)
+            measured = {peer: line for peer, line in peer_lines.items() if "started_per_s" in line}
+            limits = {
+                "SAGE_SERVER_MAX_PENDING_RUNS": BIG_LIMIT,
+                "SAGE_SERVER_MAX_PENDING_RUNS_PER_USER": BIG_LIMIT,
+            }
+            with override_settings(SAGE={**settings.SAGE, **limits}):
+                self._host(options, sizes, vendor, measured)
+
+    # ------------------------------------------------------------------ peers
+
+    def _run_peer(self, peer: str, options: dict[str, Any]) -> dict[str, Any]:
+        progress(f"peer {peer}")
+        forwarded = [
+            "--n",
+            str(options["n"]),
+            "--latency-n",
+            str(options["latency_n"]),
+            "--rate",
+            str(options["rate"]),
+            "--submit-threads",
+            str(options["submit_threads"]),
+            "--concurrency",
+            str(options["concurrency"]),
+            "--redis-url",
+            options["redis_url"],
+            "--db-worker-processes",
+            str(options["db_worker_processes"]),
+            "--db-worker-interval",
+            str(options["db_worker_interval"]),
+            "--timeout",
+            str(options["timeout"]),
+        ]
+        sibling = None
+        with contextlib.ExitStack() as stack:
+            db_url = database_url()
+            if peer == "django-tasks-db":
+                if find_spec("django_tasks_db") is None:
+                    return {
+                        "path": "peer",
+                        "peer": peer,
+                        "skipped": f"django_tasks_db is not installed ({INSTALL_HINT})",
+                    }
+                base = connections["default"].settings_dict["NAME"]
+                sibling = f"{base[:36]}_bench_dtdb_{uuid.uuid4().hex[:8]}"
+                self._create_database(sibling)
+                stack.callback(self._drop_database, sibling)
+                db_url = database_url(name=sibling)
+            env = child_env(
+                db_url, options["concurrency"], DJANGO_SETTINGS_MODULE="benchpeers.settings"
+            )
+            if sibling is not None:
+                progress(f"{peer}: migrating {sibling}")
+                migrate = subprocess.run(
+                    [sys.executable, str(ROOT / "manage.py"), "migrate", "-v0", "--no-input"],
+                    cwd=ROOT,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=options["timeout"],
+                )
+                if migrate.returncode != 0:
+                    return {
+                        "path": "peer",
+                        "peer": peer,
+                        "error": f"migrate failed: {migrate.stderr.strip()[-800:]}",
+                    }
+            driver = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(ROOT / "manage.py"),
+                    "bench_e2e",
+                    "--peer-driver",
+                    peer,
+                    *forwarded,
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                text=True,
+            )
+
+            def stop_driver() -> None:
+                if driver.poll() is None:
+                    driver.send_signal(signal.SIGTERM)
+                    try:
+                        driver.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        driver.kill()
+                        driver.wait()
+
+            stack.callback(stop_driver)
+            try:
+                out, _ = driver.communicate(timeout=options["timeout"] * 4)
+            except subprocess.TimeoutExpired:
+                return {"path": "peer", "peer": peer, "error": "the driver timed out"}
+            for text in reversed(out.splitlines()):
+                if text.startswith("{"):
+                    return orjson.loads(text)
+            return {
+                "path": "peer",
+                "peer": peer,
+                "error": f"the driver exited with status {driver.returncode} (see stderr)",
+            }
+
+    def _create_database(self, name: str) -> None:
+        connection = connections["default"]
+        with connection.cursor() as cursor:
+            cursor.execute(f'CREATE DATABASE "{name}"')
+
+    def _drop_database(self, name: str) -> None:
+        connection = connections["default"]
+        with connection.cursor() as cursor:
+            cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    # ------------------------------------------------------------------ this host
+
+    def _host(
+        self,
+        options: dict[str, Any],
+        sizes: list[int],
+        vendor: str,
+        peers: dict[str, dict[str, Any]],
+    ) -> None:
+        from scheduling.management.commands.bench_persist import delete_users
+
+        common = {"database": vendor, "host": "sage"}
+        timeout = options["timeout"]
+        concurrency = options["concurrency"]
+        with contextlib.ExitStack() as stack:
+            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-e2e-")))
+            owners = bench_owners(options["users"], "u")
+            claim_owners = [user for user, _ in bench_owners(CLAIM_USERS, "claim")]
+            record = ensure_scripted_record()
+            stack.callback(self._delete_rows, owners, claim_owners, record, delete_users)
+
+            if not options["skip_claim"]:
+                progress("claim path")
+                line = asyncio.run(claim_path(claim_owners, sizes, options["claim_repeat"]))
+                self._emit({**line, **common})
+            connections.close_all()  # the claim path's threads are gone; so are theirs
+
+            progress("starting the worker")
+            env = child_env(database_url(), concurrency)
+            worker = Child(
+                "worker", [sys.executable, str(ROOT / "manage.py"), "runworker"], env, logs
+            )
+            stack.callback(self._stop_worker, worker)
+            host = HostTarget(owners, [worker])
+            wait_until("the worker to start", lambda: self._worker_up(worker), 60, [worker])
+            progress("warm-up")
+            warm_up(host, 2 * concurrency, timeout)
+            figures = {"concurrency": concurrency, "users": len(owners)}
+
+            progress(f"throughput: {options['n']} runs")
+            line = {
+                "path": "throughput",
+                **common,
+                **figures,
+                **measure_throughput(host, options["n"], options["submit_threads"], timeout),
+                "start": "Run.started_at (the claim, database clock)",
+                **TARGETS["throughput"],
+            }
+            for peer, theirs in peers.items():
+                line[ratio_key(peer)] = round(line["started_per_s"] / theirs["started_per_s"], 3)
+            self._emit(line)
+
+            progress(f"latency: {options['latency_n']} runs at {options['rate']}/s")
+            line = {
+                "path": "latency",
+                **common,
+                **figures,
+                **measure_latency(host, options["latency_n"], options["rate"], timeout),
+                "start": "Run.started_at (the claim, database clock)",
+                **TARGETS["latency"],
+            }
+            for peer, theirs in peers.items():
+                line[ratio_key(peer)] = {
+                    q: round(line[f"{q}_ms"] / theirs[f"latency_{q}_ms"], 3)
+                    for q in ("p50", "p99")
+                    if theirs.get(f"latency_{q}_ms")
+                }
+            self._emit(line)
+
+            if options["skip_http"]:
+                return
+            web = self._start_web(options, env, logs, stack)
+            self._http_paths(options, host, owners, web, worker, common)
+
+    def _http_paths(
+        self,
+        options: dict[str, Any],
+        host: HostTarget,
+        owners: list[tuple[Any, Any]],
+        web: tuple[str, Child],
+        worker: Child,
+        common: dict[str, Any],
+    ) -> None:
+        from rest_framework.authtoken.models import Token
+
+        from scheduling.models import UNFINISHED_STATUSES, Run
+
+        base, server = web
+        children = [worker, server]
+        tokens = [Token.objects.get_or_create(user=user)[0].key for user, _ in owners]
+        clients = options["http_clients"]
+        per_client = max(20, int(options["http_seconds"] * 15))
+        # Client c posts as owner c mod users, into fresh sessions of that owner.
+        batch = host.prepare(clients * per_client, "http")
+        by_owner: dict[Any, list[str]] = {}
+        for user, session in batch.handles:
+            by_owner.setdefault(user.pk, []).append(str(session))
+        plan = []
+        for c in range(clients):
+            owner_index = c % len(owners)
+            peers_of_c = list(range(owner_index, clients, len(owners)))
+            mine = by_owner[owners[owner_index][0].pk][peers_of_c.index(c) :: len(peers_of_c)]
+            plan.append((tokens[owner_index], mine))
+        progress(f"http_admission: {clients} clients for {options['http_seconds']} s")
+        line = asyncio.run(http_admission(base, plan, options["http_seconds"]))
+        server.check()
+        progress("waiting for the worker to drain the admitted runs")
+        began = time.perf_counter()
+        user_ids = [user.pk for user, _ in owners]
+        wait_until(
+            "the admitted runs to finish",
+            lambda: (
+                not Run.objects.filter(
+                    owner_id__in=user_ids, status__in=UNFINISHED_STATUSES
+                ).exists()
+            ),
+            options["timeout"],
+            children,
+        )
+        line["drain_s"] = round(time.perf_counter() - began, 3)
+        line["web_workers"] = options["web_workers"]
+        line["worker_running"] = True
+        self._emit({**line, **common, **TARGETS["http_admission"]})
+
+        progress(f"event_to_sse: {options['sse_n']} runs")
+        user, _ = owners[0]
+        sse = host.prepare(options["sse_n"], "sse", owners=[0])
+        line = asyncio.run(
+            event_to_sse(base, tokens[0], user, [s for _, s in sse.handles], options["timeout"])
+        )
+        connections.close_all()
+        self._emit({**line, **common})
+
+    def _start_web(
+        self,
+        options: dict[str, Any],
+        env: dict[str, str],
+        logs: Path,
+        stack: contextlib.ExitStack,
+    ) -> tuple[str, Child]:
+        import urllib.request
+
+        port = free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "sageproject.asgi:application",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            str(options["web_workers"]),
+            "--no-access-log",
+            "--lifespan",
+            "off",
+            "--log-level",
+            "warning",
+        ]
+        progress(f"starting the web server ({options['web_workers']} workers)")
+        server = Child("web", argv, env, logs)
+        stack.callback(server.stop)
+        base = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                with urllib.request.urlopen(f"{base}/healthz", timeout=1) as response:
+                    return response.status == 200
+            except OSError:
+                return False
+
+        wait_until("the web server", up, 60, [server])
+        return base, server
+
+    def _worker_up(self, worker: Child) -> bool:
+        from scheduling.models import WorkerSnapshot
+
+        return WorkerSnapshot.objects.filter(
+            pid=worker.pid, host=socket.gethostname(), stopped_at__isnull=True
+        ).exists()
+
+    def _stop_worker(self, worker: Child) -> None:
+        from scheduling.models import WorkerSnapshot
+
+        worker.stop()
+        WorkerSnapshot.objects.filter(pid=worker.pid, host=socket.gethostname()).delete()
+
+    def _delete_rows(
+        self,
+        owners: list[tuple[Any, Any]],
+        claim_owners: list[Any],
+        record: Any,
+        delete_users: Callable[[list[Any]], None],
+    ) -> None:
+        progress("cleaning up")
+        connections.close_all()
+        delete_users([user for user, _ in owners] + claim_owners)
+        if record is not None:
+            record.delete()
