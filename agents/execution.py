@@ -64,7 +64,7 @@ from pooling.providers import get_adapter
 from pooling.providers.base import ModelRequest
 from sageproject.db import db_call
 from sageproject.errors import ErrorCategory, NotFoundError, SageError
-from scheduling.dispatcher import StopSignal
+from scheduling.dispatcher import StopSignal, retry_transient
 from scheduling.leases import FenceRejected
 from scheduling.models import (
     TERMINAL_STATUSES,
@@ -658,7 +658,9 @@ class RunExecutor:
         now = time.monotonic()
         if now - self._records_checked.get(app.key, -RECORD_CHECK_SECONDS) >= RECORD_CHECK_SECONDS:
             self._records_checked[app.key] = now
-            fresh = await db_call(fresh_records_sync, views)
+            fresh = await retry_transient(
+                db_call, fresh_records_sync, views, what="reading model records"
+            )
             for agent_id, view in fresh.items():
                 app.agents[agent_id] = dataclasses.replace(app.agents[agent_id], record=view)
         return dict(app.agents)
@@ -703,7 +705,10 @@ class RunExecutor:
         ``lease_lost``: then nothing terminal is written and the run is requeued.
         """
         try:
-            prepared = await self._prepare(run_id, claimed)
+            # The database restarting while a run is prepared delays it; it never fails it.
+            prepared = await retry_transient(
+                self._prepare, run_id, claimed, what=f"preparing run {run_id}"
+            )
         except Exception as exc:
             error = (
                 exc

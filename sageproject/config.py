@@ -219,6 +219,9 @@ def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
             "PORT": str(parts.port or ""),
             "OPTIONS": options,
             "CONN_MAX_AGE": 0,
+            # The pool checks a connection before handing it out: after a database restart
+            # no caller gets a dead one.
+            "CONN_HEALTH_CHECKS": True,
         }
     if scheme in {"mysql", "mariadb"}:
         return {

@@ -53,6 +53,7 @@ logger = logging.getLogger("sage.dispatcher")
 
 BACKOFF_START, BACKOFF_MAX = 0.1, 5.0
 IDLE_START, IDLE_MAX = 0.05, 0.5
+CLAIM_COALESCE_TURNS = 4
 
 INTERNAL_ERROR = SageError(
     "execution.internal", "the executor failed unexpectedly", category=ErrorCategory.INTERNAL
@@ -75,6 +76,29 @@ def is_transient(exc: BaseException) -> bool:
         return exc.retryable
     transient = OSError | TimeoutError | OperationalError | InterfaceError | InternalError
     return isinstance(exc, transient)
+
+
+def transient_database_error(exc: BaseException) -> bool:
+    """The database restarting or a dropped connection (not a refused statement)."""
+    return isinstance(exc, OperationalError | InterfaceError | InternalError)
+
+
+async def retry_transient(
+    fn: Callable[..., Any], *args: Any, what: str = "database call", **kwargs: Any
+) -> Any:
+    """``await fn(*args, **kwargs)``, retried with backoff (0.05 s → 2 s) while it fails with
+    a transient database error; other errors propagate. Whoever holds a lease is stopped by
+    its renewer if the outage outlasts the lease."""
+    delay = 0.05
+    while True:
+        try:
+            return await fn(*args, **kwargs)
+        except Exception as exc:
+            if not transient_database_error(exc):
+                raise
+            logger.warning("%s failed (%s); retrying in %.2fs", what, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 def _stop_requests(run_ids: list[Any]) -> list[tuple[str, str]]:
@@ -193,6 +217,10 @@ class Dispatcher:
             if len(self.executions) >= self.max_concurrent_runs:
                 self._slot_freed.clear()
                 await self._first(stopping.wait(), self._slot_freed.wait())
+                # Runs finished by one group commit free their slots in the same few loop
+                # turns: let them all, so one claim transaction fills them together.
+                for _ in range(CLAIM_COALESCE_TURNS):
+                    await asyncio.sleep(0)
                 continue
             try:
                 # One transaction takes as many runs as there are free slots.
@@ -318,7 +346,13 @@ class Dispatcher:
                 logger.info("run %s stopped: %s", run_id, reason or "lease lost")
                 self.scheduler.forget(lease)
             return
-        except Exception:
+        except Exception as exc:
+            if transient_database_error(exc):
+                # The database went away under the executor: the run goes back to the
+                # queue (no crash counted), it is not failed by the outage.
+                logger.warning("run %s: database error (%s); requeueing it", run_id, exc)
+                await self._requeue(execution, worker_shutdown_error().record())
+                return
             logger.exception("run %s crashed the executor", run_id)
             await self._finish_direct(execution, RunStatus.FAILED, INTERNAL_ERROR)
             return
@@ -337,8 +371,14 @@ class Dispatcher:
         fence = execution.fence
         try:
             if outcome.session_id is None:
-                await db_call(
-                    runs.finish, fence, outcome.status, result=outcome.result, error=outcome.error
+                await retry_transient(
+                    db_call,
+                    runs.finish,
+                    fence,
+                    outcome.status,
+                    result=outcome.result,
+                    error=outcome.error,
+                    what=f"finishing run {run_id}",
                 )
             else:
                 await asyncio.shield(
@@ -366,7 +406,14 @@ class Dispatcher:
         self, execution: Execution, status: str, error: dict[str, Any] | None
     ) -> None:
         try:
-            await db_call(runs.finish, execution.fence, status, error=error)
+            await retry_transient(
+                db_call,
+                runs.finish,
+                execution.fence,
+                status,
+                error=error,
+                what=f"finishing run {execution.lease.run_id}",
+            )
             logger.info("run %s %s", execution.lease.run_id, status)
         except FenceRejected:
             logger.warning("run %s: finish rejected (lease lost)", execution.lease.run_id)
@@ -376,8 +423,13 @@ class Dispatcher:
 
     async def _requeue(self, execution: Execution, error: dict[str, Any]) -> bool:
         try:
-            await self.scheduler.release(
-                execution.lease, "worker_shutdown", requeue=True, error=error
+            await retry_transient(
+                self.scheduler.release,
+                execution.lease,
+                "worker_shutdown",
+                requeue=True,
+                error=error,
+                what=f"requeueing run {execution.lease.run_id}",
             )
             return True
         except Exception as exc:  # its lease expires and the run is reaped

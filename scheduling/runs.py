@@ -835,14 +835,17 @@ def _fence_row(db: str) -> FenceSequence:
 
 
 def next_due(queue: str | None = None, *, using: str = DEFAULT_DB_ALIAS) -> datetime | None:
-    """The next time a queued row becomes available or a lease expires (database values)."""
-    later = Run.objects.using(using).filter(status=RunStatus.QUEUED, ready=True)
+    """The next time (database values) a queued run becomes available or a live lease
+    expires; None when nothing is due later (what is due now is the claim's business)."""
+    later = Run.objects.using(using).filter(
+        status=RunStatus.QUEUED, ready=True, available_at__gt=DbNow()
+    )
     if queue is not None:
         later = later.filter(queue=queue)
     times = [
         later.order_by("available_at").values_list("available_at", flat=True).first(),
         Run.objects.using(using)
-        .filter(status=RunStatus.RUNNING, lease_expires_at__isnull=False)
+        .filter(status=RunStatus.RUNNING, lease_expires_at__gt=DbNow())
         .order_by("lease_expires_at")
         .values_list("lease_expires_at", flat=True)
         .first(),

@@ -89,6 +89,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib.metadata
+import logging
 import os
 import signal
 import socket
@@ -462,6 +463,7 @@ class HostTarget(Target):
 
     def __init__(self, owners: list[tuple[Any, Any]], children: list[Child]) -> None:
         self.owners = owners  # (user, package)
+        self.user_ids = [user.pk for user, _ in owners]
         self.children = children  # checked while waiting: a dead worker fails the wait
         self.tag = uuid.uuid4().hex[:8]
 
@@ -502,29 +504,40 @@ class HostTarget(Target):
 
         return Run.objects.filter(session__title=batch.key)
 
+    def _mine(self, statuses: Any) -> Any:
+        """Runs of the benchmark's users in ``statuses`` (the ``(owner, status)`` index: a
+        cheap poll; the paths run one after another, so these are the batch's)."""
+        from scheduling.models import Run
+
+        return Run.objects.filter(owner_id__in=self.user_ids, status__in=statuses)
+
     def starts(self, batch: Batch, timeout: float) -> list[float]:
-        count = len(batch.handles)
-        runs = self._runs(batch)
+        from scheduling.models import RunStatus
+
+        queued = self._mine([RunStatus.QUEUED])
         wait_until(
-            f"{count} runs of {batch.label} to start",
-            lambda: runs.filter(started_at__isnull=False).count() >= count,
+            f"the runs of {batch.label} to start",
+            lambda: not queued.exists(),
             timeout,
             self.children,
         )
-        started = dict(runs.values_list("pk", "started_at"))
+        started = dict(self._runs(batch).values_list("pk", "started_at"))
+        missing = [pk for pk in batch.results if started.get(pk) is None]
+        if missing:
+            raise CommandError(f"{len(missing)} run(s) of {batch.label} never started")
         return [started[pk].timestamp() for pk in batch.results]
 
     def settle(self, batch: Batch, timeout: float) -> dict[str, Any]:
         from scheduling.models import UNFINISHED_STATUSES
 
-        runs = self._runs(batch)
+        unfinished = self._mine(UNFINISHED_STATUSES)
         wait_until(
             f"the runs of {batch.label} to finish",
-            lambda: not runs.filter(status__in=UNFINISHED_STATUSES).exists(),
+            lambda: not unfinished.exists(),
             timeout,
             self.children,
         )
-        ended = Counter(runs.values_list("status", flat=True))
+        ended = Counter(self._runs(batch).values_list("status", flat=True))
         return {"runs_ended": dict(sorted(ended.items()))}
 
 
@@ -1068,6 +1081,8 @@ class Command(BaseCommand):
         parser.add_argument("--peer-driver", default=None, help=argparse.SUPPRESS)
 
     def _emit(self, line: dict[str, Any]) -> None:
+        # The machine's size and load while the path ran (a shared machine skews figures).
+        line = {**line, "cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2)}
         self.stdout.write(orjson.dumps(line).decode())
         self.stdout.flush()
 
@@ -1085,6 +1100,8 @@ class Command(BaseCommand):
             with sigterm_as_exit():
                 self._emit(peer_driver(options["peer_driver"], options))
             return
+        # The HTTP client's per-request INFO lines would bury the progress and the results.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         sizes = parse_sizes(options["claim_queued"])
         peers = parse_peers(options["peers"])
         vendor = connections["default"].vendor
