@@ -24,7 +24,7 @@ lint: bootstrap
 
 bench: bootstrap
 	@$(PY) manage.py bench_pooling
-	@$(PY) manage.py bench_single_host --sessions 64 --writes 8 --io-ms 2
+	@$(PY) manage.py bench_single_host --sessions 64 --writes 8 --io-ms 2 --backend memory
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -100,7 +100,7 @@ class ModelRecordView:
     model: str
     api_key: str = field(repr=False)
     options: dict[str, Any]
-    # The record's ``updated_at``: a changed record (a rotated key) is re-read per run.
+    # The record's ``updated_at``: a changed record (a rotated key) is re-read (see RunExecutor._current_agents).
     stamp: Any = None
 
 
@@ -649,9 +649,9 @@ class RunExecutor:
 
     async def _current_agents(self, app: Application) -> dict[str, PreparedAgent]:
         """The Application's agents with model records re-read where they changed: a
-        rotated key takes effect on the next run that starts at least
-        ``RECORD_CHECK_SECONDS`` after the rotation (checked once per interval per
-        Application, not once per run, so a busy Application costs no query per run)."""
+        rotated key takes effect on the next run after the change (a ``records`` wake-up
+        clears the check times); without a wake-up, within ``RECORD_CHECK_SECONDS``. A
+        busy Application costs one query per interval, not one per run."""
         views = {agent_id: agent.record for agent_id, agent in app.agents.items()}
         if not views:
             return {}
