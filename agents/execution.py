@@ -100,7 +100,8 @@ class ModelRecordView:
     model: str
     api_key: str = field(repr=False)
     options: dict[str, Any]
-    # The record's ``updated_at``: a changed record (a rotated key) is re-read (see RunExecutor._current_agents).
+    # The record's ``updated_at``: a changed record (a rotated key) is re-read
+    # (see ``RunExecutor._current_agents``).
     stamp: Any = None
 
 
