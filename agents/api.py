@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from asgiref.sync import sync_to_async
 from django.http import StreamingHttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -25,6 +26,7 @@ from agents import services
 from agents.models import ManagedAgentRecord
 from sageproject.api import StrictFieldsMixin
 from sageproject.errors import NotFoundError, SageError
+from scheduling import live
 from scheduling.models import Event, Multitask, Run, Session, SessionKind, WorkerSnapshot
 from scheduling.serialization import event_json, export_session_lines
 
@@ -239,35 +241,77 @@ class SessionViewSet(
         return response
 
 
-def _events_after(session_id: Any, after: int, limit: int = 200) -> list[Event]:
+EVENT_PAGE = 200
+
+
+def _events_after(session_id: Any, after: int, limit: int = EVENT_PAGE) -> list[Event]:
     return list(Event.objects.filter(session_id=session_id, seq__gt=after).order_by("seq")[:limit])
 
 
 async def _event_stream(session_id: Any, after: int, seconds: float) -> AsyncIterator[bytes]:
-    """Poll the durable events; the database is the source of truth for every process."""
+    """Durable events from the database (the source of truth for every process, ``id`` =
+    seq) and, live, the workers' ``message.delta`` events (no ``id``: never persisted, so a
+    reconnect with ``Last-Event-ID`` replays durable events and then joins the deltas).
+
+    A ``committed`` notice from a worker makes the stream read new durable events at once;
+    without one it polls every ``STREAM_POLL_SECONDS``. Deltas wait in a bounded queue per
+    client: a client that does not read loses deltas (counted in ``: dropped N`` comments)
+    and never slows a run.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     quiet_since = loop.time()
-    yield b"retry: 1000\n\n"
-    while loop.time() < deadline:
-        rows = await sync_to_async(_events_after, thread_sensitive=False)(session_id, after)
-        for row in rows:
-            body = event_json(
-                seq=row.seq,
-                type=row.type,
-                run_id=row.run_id,
-                created_at=row.created_at,
-                data=row.data,
+    subscription = await live.hub().subscribe(session_id)
+    reported = 0
+    try:
+        yield b"retry: 1000\n\n"
+        read = True
+        while loop.time() < deadline:
+            if read:
+                rows = await sync_to_async(_events_after, thread_sensitive=False)(session_id, after)
+                for row in rows:
+                    body = event_json(
+                        seq=row.seq,
+                        type=row.type,
+                        run_id=row.run_id,
+                        created_at=row.created_at,
+                        data=row.data,
+                    )
+                    yield b"id: %d\nevent: %s\ndata: %s\n\n" % (row.seq, row.type.encode(), body)
+                    after = row.seq
+                if rows:
+                    quiet_since = loop.time()
+                    if len(rows) >= EVENT_PAGE:
+                        continue  # more are waiting
+            if subscription.dropped > reported:
+                reported = subscription.dropped
+                yield b": dropped %d deltas\n\n" % reported
+            if loop.time() - quiet_since > STREAM_KEEPALIVE_SECONDS:
+                quiet_since = loop.time()
+                yield b": keep-alive\n\n"
+            message = await subscription.get(
+                min(STREAM_POLL_SECONDS, max(deadline - loop.time(), 0.001))
             )
-            yield b"id: %d\nevent: %s\ndata: %s\n\n" % (row.seq, row.type.encode(), body)
-            after = row.seq
-        if rows:
-            quiet_since = loop.time()
-            continue
-        if loop.time() - quiet_since > STREAM_KEEPALIVE_SECONDS:
-            quiet_since = loop.time()
-            yield b": keep-alive\n\n"
-        await asyncio.sleep(STREAM_POLL_SECONDS)
+            read = message is None  # the poll interval passed: look at the database
+            while message is not None:
+                if message.get("type") == "message.delta":
+                    quiet_since = loop.time()
+                    body = orjson.dumps(
+                        {
+                            "type": "message.delta",
+                            "run": message.get("run"),
+                            "payload": message.get("payload"),
+                        }
+                    )
+                    yield b"event: message.delta\ndata: %s\n\n" % body
+                elif message.get("type") == "committed" and int(message.get("seq", 0)) > after:
+                    read = True
+                try:
+                    message = subscription.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    message = None
+    finally:
+        await subscription.close()
 
 
 def _int_param(

@@ -61,9 +61,10 @@ from pooling.budget import ModelConcurrencyBudget
 from pooling.clients import ModelClientPool
 from pooling.models import ModelRecord
 from pooling.providers import get_adapter
-from pooling.providers.base import ModelRequest
+from pooling.providers.base import ModelRequest, TextDelta
 from sageproject.db import db_call
 from sageproject.errors import ErrorCategory, NotFoundError, SageError
+from scheduling import live
 from scheduling.dispatcher import StopSignal, retry_transient
 from scheduling.leases import FenceRejected
 from scheduling.models import (
@@ -669,7 +670,11 @@ class RunExecutor:
     # --- model access ---------------------------------------------------------------
 
     async def _stream_model(
-        self, record: ModelRecordView, owner_id: int, request: ModelRequest
+        self,
+        record: ModelRecordView,
+        owner_id: int,
+        request: ModelRequest,
+        run: PreparedRun | None = None,
     ) -> AsyncIterator[Any]:
         """One model call: a client leased for this user and record, one budget slot
         held for the whole stream. Pool-full and budget errors are raised before any
@@ -678,6 +683,16 @@ class RunExecutor:
         async with await self.pool.acquire(owner_id, record) as lease:
             bounded = self.budget.wrap(_LeasedProvider(adapter, lease.provider))
             async for item in bounded.stream(request):
+                if run is not None and isinstance(item, TextDelta) and item.text:
+                    # Live to stream clients; never persisted (the complete message is).
+                    live.publish(
+                        {
+                            "session": str(run.session_id),
+                            "run": str(run.run_id),
+                            "type": "message.delta",
+                            "payload": {"text": item.text},
+                        }
+                    )
                 yield item
 
     def _turn(self, agent: PreparedAgent) -> AgentTurn:
@@ -800,7 +815,7 @@ class RunExecutor:
                     self._turn(entry),
                     history,
                     call_model=lambda request: self._stream_model(
-                        entry.record, prepared.owner_id, request
+                        entry.record, prepared.owner_id, request, prepared
                     ),
                     emit=emit,
                     ctx=ctx,
@@ -874,7 +889,7 @@ class RunExecutor:
                 self._turn(agent),
                 [{"role": "user", "content": text}],
                 call_model=lambda request: self._stream_model(
-                    agent.record, prepared.owner_id, request
+                    agent.record, prepared.owner_id, request, prepared
                 ),
                 emit=emit,
                 ctx=ctx,

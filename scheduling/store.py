@@ -48,6 +48,7 @@ from sageproject.errors import (
     UnavailableError,
     ValidationError,
 )
+from scheduling import live
 from scheduling.faults import crash_point
 from scheduling.leases import FenceRejected
 from scheduling.models import Event, Run, RunStatus, Session
@@ -1192,4 +1193,8 @@ async def append_events(
             else:
                 raise
             continue
+        if result.seqs:
+            # Stream clients of this session read the new durable events now, not at
+            # their next poll.
+            live.publish({"session": str(session_id), "type": "committed", "seq": result.seqs[-1]})
         return list(result.seqs)

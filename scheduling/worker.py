@@ -31,9 +31,11 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from sageproject.db import db_call
+from scheduling import live
 from scheduling.db_scheduler import DatabaseScheduler
 from scheduling.dispatcher import Dispatcher, Execution
 from scheduling.leases import SchedulerQuotaGroup
+from scheduling.live import LivePublisher
 from scheduling.models import Run, RunStatus, WorkerSnapshot
 from scheduling.store import close_default_coordinator
 from scheduling.wakeups import Listener
@@ -117,6 +119,7 @@ class Worker:
         )
         self.recovered = 0
         self.wakeups: Listener | None = None
+        self.live: LivePublisher | None = None
         # Set when claiming stopped for good: the process should exit non-zero.
         self.failed: str | None = None
         self._figures: dict[str, Any] = {"per_user": {}, "per_queue": {}}
@@ -148,6 +151,9 @@ class Worker:
         await self.executor.start()
         self.wakeups = Listener(self.dispatcher.on_wake, worker_id=self.worker_id)
         await self.wakeups.start()
+        self.live = LivePublisher()
+        await self.live.start()
+        live.set_publisher(self.live)
         # With a push channel the poll is only the fallback for a lost wake-up.
         self.dispatcher.idle_max = PUSH_IDLE_MAX
         try:
@@ -162,6 +168,8 @@ class Worker:
         finally:
             await self.dispatcher.drain(self.grace_seconds)
             await self.wakeups.close()
+            live.set_publisher(None)
+            await self.live.close()
             await self.scheduler.close()
             publisher.cancel()
             await asyncio.gather(publisher, return_exceptions=True)
@@ -205,6 +213,7 @@ class Worker:
                 "last_claim_error": dispatcher.last_claim_error,
                 "permanent_error": dispatcher.permanent_error,
                 "wakeups": self.wakeups.snapshot() if self.wakeups is not None else None,
+                "live": self.live.snapshot() if self.live is not None else None,
             },
             "executor": self.executor.capacity(),
         }

@@ -1,0 +1,344 @@
+"""Live fan-out from workers to stream clients: token deltas and "new durable events" notices.
+
+Durable events are the source of truth and are read from the database. This channel only
+makes streams live: ``message.delta`` events (a model's text as it streams, never
+persisted) and ``committed`` notices (a session's durable prefix moved on, so a waiting
+stream reads it at once instead of at its next poll).
+
+Transport, as for wake-ups (`scheduling.wakeups`): PostgreSQL ``NOTIFY sage_live``,
+Redis pub/sub ``sage:live`` when ``REDIS_URL`` is set on other databases, or Unix datagram
+sockets under ``.local/live/`` (one per web process) for the embedded default.
+
+Nothing here may slow a run: `LivePublisher.publish` only appends to a bounded queue that a
+background task drains (a full queue drops and counts), and each stream client reads from a
+bounded queue of its own (`Subscription`; a client that does not read loses deltas, counted,
+and never holds anything up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import weakref
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import orjson
+from django.conf import settings
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from scheduling.wakeups import backend
+
+logger = logging.getLogger("sage.live")
+
+CHANNEL = "sage_live"
+REDIS_CHANNEL = "sage:live"
+# PostgreSQL refuses NOTIFY payloads of 8000 bytes or more; longer deltas are split.
+MAX_PAYLOAD = 7000
+PUBLISH_QUEUE = 10_000
+SUBSCRIBER_QUEUE = 256
+
+
+def live_dir() -> Path:
+    return Path(settings.BASE_DIR) / ".local" / "live"
+
+
+def _redis_url() -> str | None:
+    return (getattr(settings, "SAGE", {}) or {}).get("REDIS_URL") or None
+
+
+# ------------------------------------------------------------------------------ publishing
+
+
+class LivePublisher:
+    """A worker's sender: `publish` never blocks; a task sends in batches."""
+
+    def __init__(self, *, using: str = DEFAULT_DB_ALIAS) -> None:
+        self.using = using
+        self.kind = backend(using)
+        self.sent = 0
+        self.dropped = 0
+        self._count = 0
+        self._queue: deque[bytes] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"live-publisher-{self.kind}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"channel": self.kind, "sent": self.sent, "dropped": self.dropped}
+
+    def publish(self, message: dict[str, Any]) -> None:
+        """Queue ``message`` (with a ``session`` key) for the stream clients."""
+        # A number of its own per message: PostgreSQL delivers identical payloads notified in
+        # one transaction once, and one batch is one transaction.
+        self._count += 1
+        data = orjson.dumps({**message, "n": self._count})
+        if len(data) > MAX_PAYLOAD and message.get("type") == "message.delta":
+            text = message["payload"].get("text", "")
+            half = len(text) // 2
+            for part in (text[:half], text[half:]):
+                self.publish({**message, "payload": {**message["payload"], "text": part}})
+            return
+        if len(self._queue) >= PUBLISH_QUEUE:
+            self.dropped += 1
+            return
+        self._queue.append(data)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        delay = 0.2
+        while True:
+            try:
+                await self._send_loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("live channel (%s) failed: %s; reconnecting", self.kind, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _batches(self) -> Any:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                batch = [self._queue.popleft() for _ in range(min(len(self._queue), 64))]
+                yield batch
+
+    async def _send_loop(self) -> None:
+        if self.kind == "postgresql":
+            import psycopg
+
+            params = dict(connections[self.using].get_connection_params())
+            for key in ("cursor_factory", "context", "server_side_binding"):
+                params.pop(key, None)
+            conn = await psycopg.AsyncConnection.connect(**params, autocommit=True)
+            try:
+                async for batch in self._batches():
+                    # One statement for the whole batch: one round trip.
+                    marks = ", ".join(["pg_notify(%s, %s)"] * len(batch))
+                    args: list[Any] = []
+                    for data in batch:
+                        args += [CHANNEL, data.decode()]
+                    await conn.execute(f"SELECT {marks}", args)
+                    self.sent += len(batch)
+            finally:
+                await conn.close()
+        elif self.kind == "redis":
+            import redis.asyncio as aioredis
+
+            client = aioredis.Redis.from_url(_redis_url())
+            try:
+                async for batch in self._batches():
+                    async with client.pipeline(transaction=False) as pipe:
+                        for data in batch:
+                            pipe.publish(REDIS_CHANNEL, data)
+                        await pipe.execute()
+                    self.sent += len(batch)
+            finally:
+                await client.aclose()
+        else:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+                sender.setblocking(False)
+                async for batch in self._batches():
+                    paths = list(live_dir().glob("*.sock")) if live_dir().is_dir() else []
+                    for data in batch:
+                        for path in paths:
+                            try:
+                                sender.sendto(data, str(path))
+                            except (ConnectionRefusedError, FileNotFoundError):
+                                with contextlib.suppress(OSError):
+                                    path.unlink()
+                            except BlockingIOError:
+                                self.dropped += 1
+                    self.sent += len(batch)
+
+
+_publisher: LivePublisher | None = None
+
+
+def set_publisher(publisher: LivePublisher | None) -> None:
+    """The worker's publisher (None: this process publishes nothing)."""
+    global _publisher
+    _publisher = publisher
+
+
+def publish(message: dict[str, Any]) -> None:
+    """Publish through this process's publisher, if it has one (the worker does)."""
+    if _publisher is not None:
+        _publisher.publish(message)
+
+
+# ------------------------------------------------------------------------------ subscribing
+
+
+class Subscription:
+    """One stream client's live messages for one session (bounded; drops are counted)."""
+
+    def __init__(self, hub: LiveHub, session_id: str) -> None:
+        self.hub = hub
+        self.session_id = session_id
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(SUBSCRIBER_QUEUE)
+        self.dropped = 0
+
+    def offer(self, message: dict[str, Any]) -> None:
+        try:
+            self.queue.put_nowait(message)
+        except asyncio.QueueFull:
+            self.dropped += 1
+            self.hub.dropped += 1
+
+    async def get(self, seconds: float) -> dict[str, Any] | None:
+        try:
+            return await asyncio.wait_for(self.queue.get(), seconds)
+        except TimeoutError:
+            return None
+
+    async def close(self) -> None:
+        await self.hub.unsubscribe(self)
+
+
+class LiveHub:
+    """A web process's end of the channel (one per event loop): started with its first
+    subscriber, stopped with its last."""
+
+    def __init__(self, *, using: str = DEFAULT_DB_ALIAS) -> None:
+        self.using = using
+        self.kind = backend(using)
+        self.subscribers: dict[str, set[Subscription]] = {}
+        self.received = 0
+        self.dropped = 0
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+        self._socket_path: Path | None = None
+
+    async def subscribe(self, session_id: Any) -> Subscription:
+        subscription = Subscription(self, str(session_id))
+        self.subscribers.setdefault(subscription.session_id, set()).add(subscription)
+        if self._task is None or self._task.done():
+            self._ready = asyncio.Event()
+            self._task = asyncio.create_task(self._run(), name=f"live-hub-{self.kind}")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), 5)
+        return subscription
+
+    async def unsubscribe(self, subscription: Subscription) -> None:
+        group = self.subscribers.get(subscription.session_id)
+        if group is not None:
+            group.discard(subscription)
+            if not group:
+                del self.subscribers[subscription.session_id]
+        if not self.subscribers and self._task is not None:
+            task, self._task = self._task, None
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    def _deliver(self, data: bytes | str) -> None:
+        self.received += 1
+        try:
+            message = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        for subscription in tuple(self.subscribers.get(str(message.get("session")), ())):
+            subscription.offer(message)
+
+    async def _run(self) -> None:
+        try:
+            if self.kind == "postgresql":
+                await self._listen_postgresql()
+            elif self.kind == "redis":
+                await self._listen_redis()
+            else:
+                await self._listen_socket()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # streams fall back to polling the durable events
+            logger.warning("live channel (%s) unavailable: %s", self.kind, exc)
+            self._ready.set()
+        finally:
+            if self._socket_path is not None:
+                with contextlib.suppress(OSError):
+                    self._socket_path.unlink()
+                self._socket_path = None
+
+    async def _listen_postgresql(self) -> None:
+        import psycopg
+
+        params = dict(connections[self.using].get_connection_params())
+        for key in ("cursor_factory", "context", "server_side_binding"):
+            params.pop(key, None)
+        conn = await psycopg.AsyncConnection.connect(**params, autocommit=True)
+        try:
+            await conn.execute(f"LISTEN {CHANNEL}")
+            self._ready.set()
+            async for notify in conn.notifies():
+                self._deliver(notify.payload)
+        finally:
+            await conn.close()
+
+    async def _listen_redis(self) -> None:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(_redis_url())
+        pubsub = client.pubsub()
+        try:
+            await pubsub.subscribe(REDIS_CHANNEL)
+            self._ready.set()
+            async for message in pubsub.listen():
+                if message.get("type") == "message":
+                    self._deliver(message["data"])
+        finally:
+            await pubsub.aclose()
+            await client.aclose()
+
+    async def _listen_socket(self) -> None:
+        directory = live_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"web-{os.getpid()}-{id(self):x}.sock"
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        sock.bind(str(path))
+        self._socket_path = path
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[bytes] = asyncio.Queue()
+
+        def readable() -> None:
+            while True:
+                try:
+                    inbox.put_nowait(sock.recv(65536))
+                except (BlockingIOError, OSError):
+                    return
+
+        loop.add_reader(sock.fileno(), readable)
+        self._ready.set()
+        try:
+            while True:
+                self._deliver(await inbox.get())
+        finally:
+            loop.remove_reader(sock.fileno())
+            sock.close()
+
+
+_hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LiveHub] = weakref.WeakKeyDictionary()
+
+
+def hub() -> LiveHub:
+    """This event loop's hub (web processes; created on first use)."""
+    loop = asyncio.get_running_loop()
+    found = _hubs.get(loop)
+    if found is None:
+        found = _hubs[loop] = LiveHub()
+    return found

@@ -1,0 +1,181 @@
+"""Live streams: token deltas reach SSE clients while the model streams, durable events stay
+the truth, a slow client never slows a run, and a resumed stream loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+
+from agents import packages
+from pooling.models import ModelRecord, Protocol
+from scheduling import live
+from scheduling.models import Event, Run, RunStatus
+from tests.conftest import client_for, demo_manifest
+from tests.e2e.conftest import all_terminal, wait_for
+
+pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
+
+BOUND = 60.0
+
+
+def _package(user, *, words: int, delay_ms: int) -> None:
+    ModelRecord.objects.get_or_create(
+        owner=None,
+        name="streamy",
+        defaults={
+            "protocol": Protocol.SCRIPTED,
+            "model": "streamy",
+            "options": {
+                "token_delay_ms": delay_ms,
+                "script": [{"text": " ".join(f"w{i}" for i in range(words))}],
+            },
+        },
+    )
+    packages.package_create(owner=user, manifest=demo_manifest(name="streamy", model="streamy"))
+
+
+def _session_and_run(api) -> tuple[str, str]:
+    session = api.post(
+        "/api/v1/sessions/", {"package": "streamy", "agent": "assistant"}, format="json"
+    ).json()["id"]
+    response = api.post("/api/v1/runs/", {"session": session, "input": "go"}, format="json")
+    assert response.status_code == 202
+    return session, response.json()["id"]
+
+
+def _parse(buffer: bytes) -> tuple[list[dict], bytes]:
+    """Complete SSE messages in ``buffer`` (and what is left of it)."""
+    messages = []
+    while b"\n\n" in buffer:
+        raw, buffer = buffer.split(b"\n\n", 1)
+        fields: dict = {}
+        for line in raw.split(b"\n"):
+            if line.startswith(b":") or b": " not in line:
+                continue
+            key, value = line.split(b": ", 1)
+            fields[key.decode()] = value.decode()
+        if "event" in fields:
+            messages.append(fields)
+    return messages, buffer
+
+
+async def _read(response, until, *, limit: float = BOUND) -> list[dict]:
+    """SSE messages of ``response`` until ``until(messages)`` holds (or the stream ends)."""
+    messages: list[dict] = []
+    buffer = b""
+    iterator = response.streaming_content.__aiter__()
+    deadline = time.monotonic() + limit
+    while not until(messages):
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"stream did not deliver in time; got {[m['event'] for m in messages]}"
+        try:
+            chunk = await asyncio.wait_for(iterator.__anext__(), remaining)
+        except StopAsyncIteration:
+            break
+        new, buffer = _parse(buffer + chunk)
+        messages += new
+    await iterator.aclose()
+    return messages
+
+
+def _completed(messages: list[dict]) -> bool:
+    return any(m["event"] == "run.completed" for m in messages)
+
+
+def test_token_deltas_reach_the_stream_while_the_model_streams(alice, start_worker):
+    _package(alice, words=30, delay_ms=30)
+    api = client_for(alice)
+    start_worker()
+    session, run_id = _session_and_run(api)
+    response = api.get(f"/api/v1/sessions/{session}/stream/", {"timeout": 60})
+    messages = asyncio.run(_read(response, _completed))
+    kinds = [m["event"] for m in messages]
+    deltas = [m for m in messages if m["event"] == "message.delta"]
+    assert deltas, kinds
+    assert all("id" not in m for m in deltas)  # never persisted: no id to resume from
+    # The deltas arrived before the durable assistant message, and add up to it.
+    assistant = next(
+        i
+        for i, m in enumerate(messages)
+        if m["event"] == "message.completed"
+        and orjson.loads(m["data"])["payload"].get("role") == "assistant"
+    )
+    assert kinds.index("message.delta") < assistant
+    text = "".join(orjson.loads(m["data"])["payload"]["text"] for m in deltas)
+    final = orjson.loads(messages[assistant]["data"])["payload"]["content"]
+    assert text == final
+    assert not Event.objects.filter(session_id=session, type="message.delta").exists()
+    assert Run.objects.get(pk=run_id).status == RunStatus.COMPLETED
+
+
+def test_a_subscriber_that_never_reads_does_not_slow_the_run(alice, start_worker):
+    _package(alice, words=600, delay_ms=0)
+    api = client_for(alice)
+    start_worker()
+
+    async def scenario() -> int:
+        session = await asyncio.to_thread(
+            lambda: api.post(
+                "/api/v1/sessions/", {"package": "streamy", "agent": "assistant"}, format="json"
+            ).json()["id"]
+        )
+        subscription = await live.hub().subscribe(session)  # never read
+        try:
+            run_id = await asyncio.to_thread(
+                lambda: api.post(
+                    "/api/v1/runs/", {"session": session, "input": "go"}, format="json"
+                ).json()["id"]
+            )
+            deadline = time.monotonic() + BOUND
+            while not await asyncio.to_thread(all_terminal, [run_id]):
+                assert time.monotonic() < deadline, "the run did not finish"
+                await asyncio.sleep(0.05)
+            # Let the last deltas in flight arrive.
+            await asyncio.sleep(0.5)
+            assert (await Run.objects.aget(pk=run_id)).status == RunStatus.COMPLETED
+            return subscription.dropped
+        finally:
+            await subscription.close()
+
+    dropped = asyncio.run(scenario())
+    # About 600 deltas into a queue of 256 that nobody reads: the run completed anyway,
+    # and what did not fit was dropped and counted.
+    assert dropped > 0
+
+
+def test_a_resumed_stream_yields_every_durable_event_exactly_once(alice, start_worker):
+    _package(alice, words=40, delay_ms=40)
+    api = client_for(alice)
+    start_worker()
+    session, run_id = _session_and_run(api)
+
+    def durable(messages: list[dict]) -> list[int]:
+        return [int(m["id"]) for m in messages if "id" in m]
+
+    first = asyncio.run(
+        _read(
+            api.get(f"/api/v1/sessions/{session}/stream/", {"timeout": 60}),
+            lambda ms: len(durable(ms)) >= 1,
+        )
+    )
+    seen = durable(first)
+    assert seen and not _completed(first)  # cut while the run is still streaming
+    second = asyncio.run(
+        _read(
+            api.get(
+                f"/api/v1/sessions/{session}/stream/",
+                {"timeout": 60},
+                HTTP_LAST_EVENT_ID=str(seen[-1]),
+            ),
+            _completed,
+        )
+    )
+    wait_for(lambda: all_terminal([run_id]), message="the run to finish")
+    ids = seen + durable(second)
+    stored = list(
+        Event.objects.filter(session_id=session).order_by("seq").values_list("seq", flat=True)
+    )
+    assert ids == stored  # every durable event, once, in order
