@@ -29,9 +29,9 @@ from typing import Any
 
 import orjson
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS
 
-from scheduling.wakeups import backend
+from scheduling.wakeups import backend, listen, pg_params
 
 logger = logging.getLogger("sage.live")
 
@@ -120,10 +120,7 @@ class LivePublisher:
         if self.kind == "postgresql":
             import psycopg
 
-            params = dict(connections[self.using].get_connection_params())
-            for key in ("cursor_factory", "context", "server_side_binding"):
-                params.pop(key, None)
-            conn = await psycopg.AsyncConnection.connect(**params, autocommit=True)
+            conn = await psycopg.AsyncConnection.connect(**pg_params(self.using), autocommit=True)
             try:
                 async for batch in self._batches():
                     # One statement for the whole batch: one round trip.
@@ -221,7 +218,6 @@ class LiveHub:
         self.dropped = 0
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
-        self._socket_path: Path | None = None
 
     async def subscribe(self, session_id: Any) -> Subscription:
         subscription = Subscription(self, str(session_id))
@@ -254,82 +250,22 @@ class LiveHub:
             subscription.offer(message)
 
     async def _run(self) -> None:
+        path = live_dir() / f"web-{os.getpid()}-{id(self):x}.sock"
         try:
-            if self.kind == "postgresql":
-                await self._listen_postgresql()
-            elif self.kind == "redis":
-                await self._listen_redis()
-            else:
-                await self._listen_socket()
+            await listen(
+                self.kind,
+                pg_channel=CHANNEL,
+                redis_channel=REDIS_CHANNEL,
+                socket_path=path,
+                deliver=self._deliver,
+                ready=self._ready.set,
+                using=self.using,
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # streams fall back to polling the durable events
             logger.warning("live channel (%s) unavailable: %s", self.kind, exc)
             self._ready.set()
-        finally:
-            if self._socket_path is not None:
-                with contextlib.suppress(OSError):
-                    self._socket_path.unlink()
-                self._socket_path = None
-
-    async def _listen_postgresql(self) -> None:
-        import psycopg
-
-        params = dict(connections[self.using].get_connection_params())
-        for key in ("cursor_factory", "context", "server_side_binding"):
-            params.pop(key, None)
-        conn = await psycopg.AsyncConnection.connect(**params, autocommit=True)
-        try:
-            await conn.execute(f"LISTEN {CHANNEL}")
-            self._ready.set()
-            async for notify in conn.notifies():
-                self._deliver(notify.payload)
-        finally:
-            await conn.close()
-
-    async def _listen_redis(self) -> None:
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(_redis_url())
-        pubsub = client.pubsub()
-        try:
-            await pubsub.subscribe(REDIS_CHANNEL)
-            self._ready.set()
-            async for message in pubsub.listen():
-                if message.get("type") == "message":
-                    self._deliver(message["data"])
-        finally:
-            await pubsub.aclose()
-            await client.aclose()
-
-    async def _listen_socket(self) -> None:
-        directory = live_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"web-{os.getpid()}-{id(self):x}.sock"
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.setblocking(False)
-        sock.bind(str(path))
-        self._socket_path = path
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[bytes] = asyncio.Queue()
-
-        def readable() -> None:
-            while True:
-                try:
-                    inbox.put_nowait(sock.recv(65536))
-                except (BlockingIOError, OSError):
-                    return
-
-        loop.add_reader(sock.fileno(), readable)
-        self._ready.set()
-        try:
-            while True:
-                self._deliver(await inbox.get())
-        finally:
-            loop.remove_reader(sock.fileno())
-            sock.close()
 
 
 _hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LiveHub] = weakref.WeakKeyDictionary()

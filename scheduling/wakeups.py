@@ -117,6 +117,90 @@ def _send_sockets(message: str) -> None:
 # ------------------------------------------------------------------------------ listening
 
 
+def pg_params(using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
+    """psycopg connection parameters of a Django PostgreSQL connection, for a connection of
+    our own (outside Django's pool)."""
+    params = dict(connections[using].get_connection_params())
+    for key in ("cursor_factory", "context", "server_side_binding"):
+        params.pop(key, None)
+    return params
+
+
+async def listen(
+    kind: str,
+    *,
+    pg_channel: str,
+    redis_channel: str,
+    socket_path: Path,
+    deliver: Callable[[bytes | str], None],
+    ready: Callable[[], None],
+    using: str = DEFAULT_DB_ALIAS,
+) -> None:
+    """Receive messages on one transport until cancelled (or the transport fails):
+    ``LISTEN`` on PostgreSQL, a Redis subscription, or a datagram socket bound at
+    ``socket_path`` (removed afterwards). Calls ``ready()`` once listening."""
+    if kind == "postgresql":
+        import psycopg
+
+        conn = await psycopg.AsyncConnection.connect(**pg_params(using), autocommit=True)
+        try:
+            await conn.execute(f"LISTEN {pg_channel}")
+            ready()
+            async for message in conn.notifies():
+                deliver(message.payload)
+        finally:
+            await conn.close()
+        return
+    if kind == "redis":
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(_redis_url())
+        pubsub = client.pubsub()
+        try:
+            await pubsub.subscribe(redis_channel)
+            ready()
+            async for message in pubsub.listen():
+                if message.get("type") == "message":
+                    deliver(message["data"])
+        finally:
+            await pubsub.aclose()
+            await client.aclose()
+        return
+    await asyncio.to_thread(_fresh_socket_path, socket_path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    sock.bind(str(socket_path))
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue[bytes] = asyncio.Queue()
+
+    def readable() -> None:
+        while True:
+            try:
+                inbox.put_nowait(sock.recv(65536))
+            except OSError:  # nothing more to read now (BlockingIOError) or closed
+                return
+
+    loop.add_reader(sock.fileno(), readable)
+    ready()
+    try:
+        while True:
+            deliver(await inbox.get())
+    finally:
+        loop.remove_reader(sock.fileno())
+        sock.close()
+        _remove(socket_path)
+
+
+def _fresh_socket_path(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove(path)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
 class Listener:
     """A worker's end of the channel: calls ``on_wake(kind, payload)`` on its event loop
     for every message, reconnecting (with backoff) when the channel drops."""
@@ -130,7 +214,6 @@ class Listener:
         self.reconnects = 0
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
-        self._socket_path: Path | None = None
 
     async def start(self) -> None:
         """Start listening; returns once the channel is listening (or failed once)."""
@@ -142,15 +225,13 @@ class Listener:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._socket_path is not None:
-            with contextlib.suppress(OSError):
-                self._socket_path.unlink()
 
     def snapshot(self) -> dict[str, Any]:
         return {"channel": self.kind, "received": self.received, "reconnects": self.reconnects}
 
-    def _deliver(self, message: str) -> None:
+    def _deliver(self, data: bytes | str) -> None:
         self.received += 1
+        message = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
         kind, _, payload = message.partition(":")
         try:
             self.on_wake(kind, payload)
@@ -159,14 +240,19 @@ class Listener:
 
     async def _run(self) -> None:
         delay = RECONNECT_START
-        listen = {
-            "postgresql": self._listen_postgresql,
-            "redis": self._listen_redis,
-            "socket": self._listen_socket,
-        }[self.kind]
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.worker_id)
+        path = socket_dir() / f"{safe}-{os.getpid()}.sock"
         while True:
             try:
-                await listen()
+                await listen(
+                    self.kind,
+                    pg_channel=CHANNEL,
+                    redis_channel=REDIS_CHANNEL,
+                    socket_path=path,
+                    deliver=self._deliver,
+                    ready=self._ready.set,
+                    using=self.using,
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -179,67 +265,3 @@ class Listener:
                 delay = min(delay * 2, RECONNECT_MAX)
             else:
                 delay = RECONNECT_START
-
-    async def _listen_postgresql(self) -> None:
-        import psycopg
-
-        params = connections[self.using].get_connection_params()
-        params.pop("cursor_factory", None)
-        params.pop("context", None)
-        params.pop("server_side_binding", None)
-        conn = await psycopg.AsyncConnection.connect(**params, autocommit=True)
-        try:
-            await conn.execute(f"LISTEN {CHANNEL}")
-            self._ready.set()
-            async for message in conn.notifies():
-                self._deliver(message.payload)
-        finally:
-            await conn.close()
-
-    async def _listen_redis(self) -> None:
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(_redis_url())
-        pubsub = client.pubsub()
-        try:
-            await pubsub.subscribe(REDIS_CHANNEL)
-            self._ready.set()
-            async for message in pubsub.listen():
-                if message.get("type") == "message":
-                    data = message["data"]
-                    self._deliver(data.decode() if isinstance(data, bytes) else str(data))
-        finally:
-            await pubsub.aclose()
-            await client.aclose()
-
-    async def _listen_socket(self) -> None:
-        directory = socket_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.worker_id)
-        path = directory / f"{safe}-{os.getpid()}.sock"
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.setblocking(False)
-        sock.bind(str(path))
-        self._socket_path = path
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[bytes] = asyncio.Queue()
-
-        def readable() -> None:
-            while True:
-                try:
-                    queue.put_nowait(sock.recv(4096))
-                except BlockingIOError:
-                    return
-                except OSError:
-                    return
-
-        loop.add_reader(sock.fileno(), readable)
-        self._ready.set()
-        try:
-            while True:
-                self._deliver((await queue.get()).decode(errors="replace"))
-        finally:
-            loop.remove_reader(sock.fileno())
-            sock.close()
