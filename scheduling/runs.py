@@ -489,123 +489,98 @@ def claim(
     every other worker's claims). The claim itself serializes on the fence-sequence row; on
     PostgreSQL a transaction left idle by a frozen process is ended after
     ``CLAIM_IDLE_TIMEOUT_MS`` (MySQL: its connection is dropped). Dead leases are reaped
-    first (see `reap`), except runs in ``exclude``.
+    first (see `reap`), except runs in ``exclude``. A fixed number of statements whatever
+    ``limit``, none of which scans the queue (see `_heads`).
     """
-    kwargs = {
-        "worker_id": worker_id,
-        "duration": duration,
-        "order": order,
-        "max_active": max_active,
-        "per_tenant": per_tenant,
-        "queue": queue,
-        "limit": limit,
-        "exclude": exclude,
-        "max_crashes": max_crashes,
-        "reap": reap,
-        "using": using,
-        "clock": clock,
-    }
-    try:
-        return _claim_once(**kwargs)
-    except _FenceRowMissing:
-        _fence_rows.discard(using)
-        return _claim_once(**kwargs)
-
-
-def _claim_once(
-    *,
-    worker_id: str,
-    duration: timedelta,
-    order: ClaimOrder = ClaimOrder.FAIR,
-    max_active: int | None = None,
-    per_tenant: int | None = None,
-    queue: str | None = None,
-    limit: int = 1,
-    exclude: Iterable[str] = (),
-    max_crashes: int | None = None,
-    reap: bool = True,
-    using: str = DEFAULT_DB_ALIAS,
-    clock: Clock = None,
-) -> tuple[list[Grant], list[str]]:
-    """One attempt of `claim` (its transaction): a fixed number of statements for up to
-    ``limit`` runs, none of which scans the queue (see `_heads`)."""
     db = using
     work = _claimable(queue, clock)
     if reap:
         work |= _dead_lease(clock) | Q(status=RunStatus.QUEUED, cancel_requested=True)
     if not Run.objects.using(db).filter(work).exists():
         return [], []
-    _ensure_fence_row(db)
-    connection = connections[db]
-    with _claim_guard(connection), transaction.atomic(using=db):
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}"
-                )
-        fence_row = _fence_row(db)
-        reaped = _reap_locked(db, clock, frozenset(exclude), max_crashes) if reap else []
-        running = {
-            owner: n
-            for owner, n in Run.objects.using(db)
-            .filter(status=RunStatus.RUNNING, parent__isnull=True)
-            .values_list("owner_id")
-            .annotate(n=Count("pk"))
-            .order_by()
-        }
-        picked = _pick(
-            _heads(db, queue, clock, running, per_tenant, max_active, limit),
-            running,
-            order=order,
-            limit=limit,
-            max_active=max_active,
-            per_tenant=per_tenant,
-        )
-        grants: list[Grant] = []
-        if picked:
-            locked = Run.objects.using(db).filter(
-                pk__in=picked, status=RunStatus.QUEUED, ready=True
-            )
-            if connection.features.has_select_for_update_skip_locked:
-                # A row another transaction is changing is skipped, never waited for.
-                locked = locked.select_for_update(skip_locked=True)
-            granted = set(locked.values_list("pk", flat=True))
-            ordered = [pk for pk in picked if pk in granted]
-            tokens = {pk: fence_row.value + i for i, pk in enumerate(ordered, start=1)}
-            if tokens:
-                Run.objects.using(db).filter(pk__in=ordered).update(
-                    status=RunStatus.RUNNING,
-                    lease_owner=worker_id,
-                    lease_token=Case(
-                        *(When(pk=pk, then=Value(token)) for pk, token in tokens.items()),
-                        output_field=BigIntegerField(),
-                    ),
-                    lease_expires_at=later_expr(duration, clock),
-                    attempts=F("attempts") + 1,
-                    started_at=Coalesce(F("started_at"), now_expr(clock)),
-                )
-                rows = {
-                    row["pk"]: row
-                    for row in Run.objects.using(db)
-                    .filter(pk__in=ordered)
-                    .values(*_ROW_FIELDS, *_CLAIMED_FIELDS, "lease_expires_at")
-                }
-                for pk in ordered:
-                    row = rows[pk]
-                    expires = row.pop("lease_expires_at")
-                    grants.append(
-                        Grant(
-                            row=row,
-                            token=tokens[pk],
-                            expires_at=expires,
-                            granted_at=expires - duration,
-                        )
+
+    def attempt() -> tuple[list[Grant], list[str]]:
+        with _claim_guard(connection), transaction.atomic(using=db):
+            if connection.vendor == "postgresql":
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}"
                     )
-                FenceSequence.objects.using(db).filter(pk=1).update(
-                    value=fence_row.value + len(tokens)
+            fence_row = _fence_row(db)
+            reaped = _reap_locked(db, clock, frozenset(exclude), max_crashes) if reap else []
+            running = {
+                owner: n
+                for owner, n in Run.objects.using(db)
+                .filter(status=RunStatus.RUNNING, parent__isnull=True)
+                .values_list("owner_id")
+                .annotate(n=Count("pk"))
+                .order_by()
+            }
+            picked = _pick(
+                _heads(db, queue, clock, running, per_tenant, max_active, limit),
+                running,
+                order=order,
+                limit=limit,
+                max_active=max_active,
+                per_tenant=per_tenant,
+            )
+            grants: list[Grant] = []
+            if picked:
+                locked = Run.objects.using(db).filter(
+                    pk__in=picked, status=RunStatus.QUEUED, ready=True
                 )
+                if connection.features.has_select_for_update_skip_locked:
+                    # A row another transaction is changing is skipped, never waited for.
+                    locked = locked.select_for_update(skip_locked=True)
+                granted = set(locked.values_list("pk", flat=True))
+                ordered = [pk for pk in picked if pk in granted]
+                tokens = {pk: fence_row.value + i for i, pk in enumerate(ordered, start=1)}
+                if tokens:
+                    Run.objects.using(db).filter(pk__in=ordered).update(
+                        status=RunStatus.RUNNING,
+                        lease_owner=worker_id,
+                        lease_token=Case(
+                            *(When(pk=pk, then=Value(token)) for pk, token in tokens.items()),
+                            output_field=BigIntegerField(),
+                        ),
+                        lease_expires_at=later_expr(duration, clock),
+                        attempts=F("attempts") + 1,
+                        started_at=Coalesce(F("started_at"), now_expr(clock)),
+                    )
+                    rows = {
+                        row["pk"]: row
+                        for row in Run.objects.using(db)
+                        .filter(pk__in=ordered)
+                        .values(*_ROW_FIELDS, *_CLAIMED_FIELDS, "lease_expires_at")
+                    }
+                    for pk in ordered:
+                        row = rows[pk]
+                        expires = row.pop("lease_expires_at")
+                        grants.append(
+                            Grant(
+                                row=row,
+                                token=tokens[pk],
+                                expires_at=expires,
+                                granted_at=expires - duration,
+                            )
+                        )
+                    FenceSequence.objects.using(db).filter(pk=1).update(
+                        value=fence_row.value + len(tokens)
+                    )
         if grants:
             crash_point("claim.before_commit")
+        return grants, reaped
+
+    _ensure_fence_row(db)
+    connection = connections[db]
+    try:
+        grants, reaped = attempt()
+    except _FenceRowMissing:
+        # The table was emptied since this process created its row: create it again,
+        # outside any claim transaction, and try once more.
+        _fence_rows.discard(db)
+        _ensure_fence_row(db)
+        grants, reaped = attempt()
     if grants:
         crash_point("claim.after_commit")
     return grants, reaped
