@@ -150,7 +150,9 @@ class LivePublisher:
                 sender.setblocking(False)
                 async for batch in self._batches():
                     paths = list(live_dir().glob("*.sock")) if live_dir().is_dir() else []
-                    for data in batch:
+                    # One datagram per batch (JSON lines): a receiver's queue holds few
+                    # datagrams (net.unix.max_dgram_qlen), not few messages.
+                    for count, data in _datagrams(batch):
                         for path in paths:
                             try:
                                 sender.sendto(data, str(path))
@@ -158,8 +160,28 @@ class LivePublisher:
                                 with contextlib.suppress(OSError):
                                     path.unlink()
                             except BlockingIOError:
-                                self.dropped += 1
+                                self.dropped += count
                     self.sent += len(batch)
+
+
+# The largest datagram the socket transport sends (well under the kernel's limits).
+MAX_DATAGRAM = 60_000
+
+
+def _datagrams(batch: list[bytes]) -> list[tuple[int, bytes]]:
+    """``batch`` as JSON-lines datagrams of at most ``MAX_DATAGRAM`` bytes: (count, data)."""
+    out: list[tuple[int, bytes]] = []
+    lines: list[bytes] = []
+    size = 0
+    for data in batch:
+        if lines and size + len(data) + 1 > MAX_DATAGRAM:
+            out.append((len(lines), b"\n".join(lines)))
+            lines, size = [], 0
+        lines.append(data)
+        size += len(data) + 1
+    if lines:
+        out.append((len(lines), b"\n".join(lines)))
+    return out
 
 
 _publisher: LivePublisher | None = None
@@ -241,13 +263,15 @@ class LiveHub:
             await asyncio.gather(task, return_exceptions=True)
 
     def _deliver(self, data: bytes | str) -> None:
-        self.received += 1
-        try:
-            message = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return
-        for subscription in tuple(self.subscribers.get(str(message.get("session")), ())):
-            subscription.offer(message)
+        raw = data.encode() if isinstance(data, str) else data
+        for line in raw.split(b"\n"):  # a socket datagram carries a batch, one per line
+            try:
+                message = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            self.received += 1
+            for subscription in tuple(self.subscribers.get(str(message.get("session")), ())):
+                subscription.offer(message)
 
     async def _run(self) -> None:
         path = live_dir() / f"web-{os.getpid()}-{id(self):x}.sock"

@@ -413,23 +413,27 @@ def admit(
             existing = Run.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
             if existing is not None:
                 return existing, False
-        queued = Run.objects.filter(status=RunStatus.QUEUED, parent__isnull=True)
-        if queued.count() >= limit:
+        # Both pending counts in one statement (an index range over queued rows).
+        counts = Run.objects.filter(status=RunStatus.QUEUED, parent__isnull=True).aggregate(
+            total=Count("pk"), mine=Count("pk", filter=Q(owner=owner))
+        )
+        if counts["total"] >= limit:
             raise queue_full_error(limit)
         # One user flooding the queue must not lock everyone else out of admission.
-        if queued.filter(owner=owner).count() >= per_user:
+        if counts["mine"] >= per_user:
             raise queue_full_error(per_user, per_user=True)
         # The session row's lock orders this admission against the session's finishing
         # run (which promotes the next one under the same lock).
         Session.objects.select_for_update().filter(pk=session.pk).values_list("pk").first()
         unfinished = Run.objects.filter(session=session, status__in=UNFINISHED_STATUSES)
-        if unfinished.exists():
-            if multitask is Multitask.REJECT:
-                raise session_busy_error()
-            if multitask in (Multitask.INTERRUPT, Multitask.ROLLBACK):
-                for run_id in unfinished.values_list("pk", flat=True):
-                    _stop(run_id, StopRequest(multitask.value), using=DEFAULT_DB_ALIAS)
-        ready = not Run.objects.filter(session=session, status__in=UNFINISHED_STATUSES).exists()
+        busy = list(unfinished.values_list("pk", flat=True))
+        if busy and multitask is Multitask.REJECT:
+            raise session_busy_error()
+        if busy and multitask in (Multitask.INTERRUPT, Multitask.ROLLBACK):
+            for run_id in busy:
+                _stop(run_id, StopRequest(multitask.value), using=DEFAULT_DB_ALIAS)
+            busy = list(unfinished.values_list("pk", flat=True)[:1])
+        ready = not busy
         run = Run.objects.create(
             session=session,
             owner=owner,
@@ -567,8 +571,8 @@ def claim(
                     FenceSequence.objects.using(db).filter(pk=1).update(
                         value=fence_row.value + len(tokens)
                     )
-        if grants:
-            crash_point("claim.before_commit")
+            if grants:
+                crash_point("claim.before_commit")
         return grants, reaped
 
     _ensure_fence_row(db)

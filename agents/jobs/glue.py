@@ -208,11 +208,20 @@ async def append_job_event(
     fence = current_fence(run_id) if run_id else None
     try:
         if fence is not None:
-            await append_events(
-                session_id=session_id, run_id=run_id, events=[(event_type, payload)], fence=fence
-            )
-        else:
-            await db_call(runs.append_unleased_event, session_id, run_id, event_type, payload)
+            try:
+                await append_events(
+                    session_id=session_id,
+                    run_id=run_id,
+                    events=[(event_type, payload)],
+                    fence=fence,
+                )
+                return True
+            except FenceRejected:
+                # The run may have just ended under this very lease (its outcome committed
+                # while the job finished): then it is no longer running, and the event
+                # goes in unleased; if another worker runs it now, this is refused too.
+                pass
+        await db_call(runs.append_unleased_event, session_id, run_id, event_type, payload)
     except FenceRejected:
         logger.warning(
             "job event %s of run %s rejected: this worker no longer holds the run",
