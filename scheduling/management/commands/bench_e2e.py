@@ -27,11 +27,19 @@ on stderr only when it is a terminal):
   ``/api/v1/runs/`` with API tokens for ``--http-seconds`` (default 10): requests/s, p50/p99,
   the answers by status (202, 429, …) and how long the worker took to drain what was admitted
   (target ≥ 500 req/s, p99 ≤ 100 ms).
-- ``event_to_sse``: live ``message.delta`` events are not streamed yet (the session stream,
-  ``GET /api/v1/sessions/{id}/stream/``, polls durable events), so instead of model token →
-  SSE client this measures a run's durable ``run.completed`` event (its ``created_at``) →
-  its arrival at an SSE client already connected (``--sse-n`` runs, 10 at a time); the line
-  says so in ``note``.
+- ``token_to_sse``: model token to SSE client. The runs of this path use an
+  OpenAI-compatible model served by ``benchpeers.model_server`` (a subprocess started here;
+  a model record ``bench-live`` of the benchmark's user points the worker's ``openai``
+  adapter at it): each run streams ``--sse-tokens`` tokens (default 20), ``--sse-token-gap-ms``
+  apart (default 10), and each token's text is the server's ``time.time()`` when it sent it.
+  A client already connected to ``GET /api/v1/sessions/{id}/stream/`` receives them as live
+  ``message.delta`` events; latency = arrival minus that time, over every token of
+  ``--sse-n`` runs (default 100, 10 streams at a time, after an untimed warm-up round).
+  ``tokens`` of ``tokens_expected`` arrived; ``dropped`` counts the deltas the stream itself
+  reported dropped (``: dropped N``); deltas lost before the web process are only visible
+  as ``tokens < tokens_expected``.
+- ``event_to_sse``: the same runs' durable ``run.completed`` event, from its ``created_at``
+  to its arrival at the client, and from just before the submit call to that arrival.
 
 Peers (``--peers``, default all; PostgreSQL only): the same trivial task — the task writes
 ``time.time()`` into a Redis hash as its first act — measured with the same throughput and
@@ -69,11 +77,11 @@ web process); nothing else is tuned.
 
 Clean-up, on failure and on SIGTERM/Ctrl-C too: every subprocess started here is stopped;
 the benchmark's users (``bench-<hex>-…``) with their packages, sessions, runs, events,
-archives and tokens, its worker's snapshot row, the ``scripted`` model record if it created
-it, the procrastinate schema, the django-tasks-db database and the Redis keys it added are
-removed. Like the other database benchmarks it refuses to start while the database holds
-queued or running runs: use a scratch database. SQLite (the embedded default) runs every
-path but the peers.
+archives, tokens and ``bench-live`` model record, its worker's snapshot row, the
+``scripted`` model record if it created it, the procrastinate schema, the django-tasks-db
+database and the Redis keys it added are removed. Like the other database benchmarks it
+refuses to start while the database holds queued or running runs: use a scratch database.
+SQLite (the embedded default) runs every path but the peers.
 
 Run it::
 
@@ -678,9 +686,18 @@ async def http_admission(
     }
 
 
-async def event_to_sse(
+@dataclass
+class SseSample:
+    tokens: list[float]  # arrival minus the token's send time, per token (s)
+    event: float  # run.completed: arrival minus its created_at (s)
+    total: float  # run.completed: arrival minus the time just before the submit call (s)
+    dropped: int
+
+
+async def sse_samples(
     base: str, token: str, owner: Any, sessions: list[Any], wait_s: float
-) -> dict[str, Any]:
+) -> list[SseSample]:
+    """One run per session, each submitted once its SSE stream is open; what the client saw."""
     import httpx
 
     from agents.services import run_submit
@@ -694,7 +711,7 @@ async def event_to_sse(
     gate = asyncio.Semaphore(SSE_CONCURRENCY)
     limits = httpx.Limits(max_connections=SSE_CONCURRENCY + 2)
 
-    async def one(client: httpx.AsyncClient, session_id: Any) -> tuple[float, float]:
+    async def one(client: httpx.AsyncClient, session_id: Any) -> SseSample:
         async with gate:
             url = f"/api/v1/sessions/{session_id}/stream/?after=0&timeout=120"
             async with client.stream("GET", url, headers=headers) as response:
@@ -703,37 +720,63 @@ async def event_to_sse(
                 lines = response.aiter_lines()
                 async for line in lines:
                     if line.startswith("retry:"):
-                        break  # the stream is open and polling
+                        break  # subscribed (live) and reading the durable events
                 submitted = time.time()
                 run_id = await db_call(submit, session_id)
-                event = ""
+                event, tokens, dropped = "", [], 0
                 async for line in lines:
-                    if line.startswith("event: "):
+                    if line.startswith(": dropped"):
+                        dropped = int(line.split()[2])
+                    elif line.startswith("event: "):
                         event = line[len("event: ") :]
-                    elif line.startswith("data: ") and event == "run.completed":
+                    elif line.startswith("data: ") and event in ("message.delta", "run.completed"):
                         received = time.time()
                         data = orjson.loads(line[len("data: ") :])
-                        if data.get("run") == run_id:
+                        if data.get("run") != run_id:
+                            continue
+                        if event == "run.completed":
                             created = datetime.fromisoformat(data["created_at"]).timestamp()
-                            return received - created, received - submitted
+                            return SseSample(
+                                tokens, received - created, received - submitted, dropped
+                            )
+                        for word in str((data.get("payload") or {}).get("text", "")).split():
+                            with contextlib.suppress(ValueError):
+                                tokens.append(received - float(word))
                     elif not line:
                         event = ""
         raise CommandError(f"the stream of session {session_id} ended before run.completed")
 
     async with httpx.AsyncClient(base_url=base, limits=limits, timeout=wait_s) as client:
-        results = await asyncio.gather(*(one(client, s) for s in sessions))
-    return {
-        "path": "event_to_sse",
-        "note": (
-            "live message.delta events are not streamed yet: the session stream polls "
-            "durable events (every 0.25 s), so this is a run's run.completed event "
-            "(created_at) to its arrival at a connected SSE client, not model token to client"
-        ),
-        "n": len(results),
-        "concurrent_streams": min(SSE_CONCURRENCY, len(results)),
-        **distribution([event for event, _ in results]),
-        **distribution([total for _, total in results], prefix="submit_to_client_"),
+        return list(await asyncio.gather(*(one(client, s) for s in sessions)))
+
+
+def sse_lines(samples: list[SseSample], tokens_per_run: int, gap_ms: float) -> list[dict]:
+    tokens = [t for sample in samples for t in sample.tokens]
+    token_line: dict[str, Any] = {
+        "path": "token_to_sse",
+        "runs": len(samples),
+        "tokens_per_run": tokens_per_run,
+        "token_gap_ms": gap_ms,
+        "tokens": len(tokens),
+        "tokens_expected": len(samples) * tokens_per_run,
+        "dropped": sum(sample.dropped for sample in samples),
+        "concurrent_streams": min(SSE_CONCURRENCY, len(samples)),
+        "model": "benchpeers.model_server (OpenAI-compatible; each token is its send time)",
     }
+    if tokens:
+        token_line.update(distribution(tokens))
+    else:
+        token_line["note"] = "no message.delta event reached the client"
+    event_line = {
+        "path": "event_to_sse",
+        "event": "run.completed",
+        "n": len(samples),
+        "concurrent_streams": min(SSE_CONCURRENCY, len(samples)),
+        **distribution([sample.event for sample in samples]),
+        **distribution([sample.total for sample in samples], prefix="submit_to_client_"),
+        "note": "durable event: its created_at to its arrival at a connected SSE client",
+    }
+    return [token_line, event_line]
 
 
 # ----------------------------------------------------------------------------- peers
@@ -1023,8 +1066,9 @@ def parse_peers(text: str) -> list[str]:
 class Command(BaseCommand):
     help = (
         "End-to-end figures of this host (claim time, runs started/s, submit→start latency, "
-        "HTTP admission, event→SSE) side by side with procrastinate, Celery + Redis and "
-        "django-tasks-db doing trivial tasks (bench-only packages: requirements-bench.txt; "
+        "HTTP admission, model token→SSE client, durable event→SSE client) side by side "
+        "with procrastinate, Celery + Redis and django-tasks-db doing trivial tasks "
+        "(bench-only packages: requirements-bench.txt; "
         "each peer measured in a subprocess with DJANGO_SETTINGS_MODULE=benchpeers.settings). "
         "One JSON line per path. Use a scratch database; SQLite runs without peers."
     )
@@ -1055,9 +1099,17 @@ class Command(BaseCommand):
         parser.add_argument("--http-seconds", type=float, default=10.0)
         parser.add_argument("--web-workers", type=int, default=2, help="uvicorn --workers")
         parser.add_argument(
-            "--skip-http", action="store_true", help="skip http_admission and event_to_sse"
+            "--skip-http",
+            action="store_true",
+            help="skip http_admission, token_to_sse and event_to_sse",
         )
-        parser.add_argument("--sse-n", type=int, default=100, help="runs of event_to_sse")
+        parser.add_argument(
+            "--sse-n", type=int, default=100, help="runs of token_to_sse and event_to_sse"
+        )
+        parser.add_argument("--sse-tokens", type=int, default=20, help="tokens per run")
+        parser.add_argument(
+            "--sse-token-gap-ms", type=float, default=10.0, help="between a run's tokens"
+        )
         parser.add_argument(
             "--peers",
             default="all",
@@ -1092,8 +1144,11 @@ class Command(BaseCommand):
                 raise CommandError(f"--{name.replace('_', '-')} must be positive")
         if options["rate"] <= 0 or options["http_seconds"] <= 0 or options["timeout"] <= 0:
             raise CommandError("--rate, --http-seconds and --timeout must be positive")
-        if options["http_clients"] < 1 or options["sse_n"] < 1 or options["web_workers"] < 1:
-            raise CommandError("--http-clients, --sse-n and --web-workers must be positive")
+        for name in ("http_clients", "sse_n", "sse_tokens", "web_workers"):
+            if options[name] < 1:
+                raise CommandError(f"--{name.replace('_', '-')} must be positive")
+        if options["sse_token_gap_ms"] < 0:
+            raise CommandError("--sse-token-gap-ms must not be negative")
         if options["db_worker_processes"] is None:
             options["db_worker_processes"] = min(options["concurrency"], 2 * (os.cpu_count() or 1))
         if options["peer_driver"]:
@@ -1251,11 +1306,17 @@ class Command(BaseCommand):
         timeout = options["timeout"]
         concurrency = options["concurrency"]
         with contextlib.ExitStack() as stack:
+            self._stack = stack
             logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-e2e-")))
-            owners = bench_owners(options["users"], "u")
-            claim_owners = [user for user, _ in bench_owners(CLAIM_USERS, "claim")]
-            record = ensure_scripted_record()
-            stack.callback(self._delete_rows, owners, claim_owners, record, delete_users)
+            # Registered before anything is created, so a failure half-way cleans up too.
+            owners: list[tuple[Any, Any]] = []
+            claim_owners: list[Any] = []
+            created: list[Any] = []
+            stack.callback(self._delete_rows, owners, claim_owners, created, delete_users)
+            owners += bench_owners(options["users"], "u")
+            claim_owners += [user for user, _ in bench_owners(CLAIM_USERS, "claim")]
+            if (record := ensure_scripted_record()) is not None:
+                created.append(record)
 
             if not options["skip_claim"]:
                 progress("claim path")
@@ -1325,6 +1386,7 @@ class Command(BaseCommand):
 
         base, server = web
         children = [worker, server]
+        self._children = children
         tokens = [Token.objects.get_or_create(user=user)[0].key for user, _ in owners]
         clients = options["http_clients"]
         per_client = max(20, int(options["http_seconds"] * 15))
@@ -1360,14 +1422,62 @@ class Command(BaseCommand):
         line["worker_running"] = True
         self._emit({**line, **common, **TARGETS["http_admission"]})
 
-        progress(f"event_to_sse: {options['sse_n']} runs")
         user, _ = owners[0]
-        sse = host.prepare(options["sse_n"], "sse", owners=[0])
-        line = asyncio.run(
-            event_to_sse(base, tokens[0], user, [s for _, s in sse.handles], options["timeout"])
+        live = self._live_model(options, user, worker.log.parent)
+        progress(f"token_to_sse and event_to_sse: {options['sse_n']} runs")
+        # The first round opens each web process's live channel; it is not measured.
+        warm = live.prepare(min(SSE_CONCURRENCY, options["sse_n"]), "sse-warmup")
+        asyncio.run(sse_samples(base, tokens[0], user, [s for _, s in warm.handles], 120))
+        batch = live.prepare(options["sse_n"], "sse")
+        samples = asyncio.run(
+            sse_samples(base, tokens[0], user, [s for _, s in batch.handles], options["timeout"])
         )
         connections.close_all()
-        self._emit({**line, **common})
+        for line in sse_lines(samples, options["sse_tokens"], options["sse_token_gap_ms"]):
+            self._emit({**line, **common})
+
+    def _live_model(self, options: dict[str, Any], user: Any, logs: Path) -> HostTarget:
+        """The ``bench-live`` model (benchpeers.model_server) and a package whose agent uses
+        it, for ``user``; both go with the user. Returns a target whose sessions use it."""
+        from agents import packages
+        from agents.management.commands.seed_demo import DEMO_MANIFEST
+        from pooling.models import ModelRecord, Protocol
+
+        port = free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "benchpeers.model_server",
+            "--port",
+            str(port),
+            "--tokens",
+            str(options["sse_tokens"]),
+            "--gap-ms",
+            str(options["sse_token_gap_ms"]),
+        ]
+        server = Child("model-server", argv, child_env(database_url(), 1), logs)
+        self._stack.callback(server.stop)
+
+        def up() -> bool:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                return True
+            return False
+
+        wait_until("the model server", up, 30, [server])
+        record = ModelRecord(
+            owner=user,
+            name="bench-live",
+            protocol=Protocol.OPENAI,
+            base_url=f"http://127.0.0.1:{port}/v1",
+            model="bench-live",
+            options={"timeout": 60},
+        )
+        record.api_key = "bench"
+        record.save()
+        agent = {**DEMO_MANIFEST["agents"]["assistant"], "model": "bench-live", "tools": []}
+        manifest = {**DEMO_MANIFEST, "name": "bench-live", "agents": {"assistant": agent}}
+        package, _ = packages.package_create(owner=user, manifest=manifest)
+        return HostTarget([(user, package)], self._children)
 
     def _start_web(
         self,
@@ -1428,11 +1538,11 @@ class Command(BaseCommand):
         self,
         owners: list[tuple[Any, Any]],
         claim_owners: list[Any],
-        record: Any,
+        created: list[Any],
         delete_users: Callable[[list[Any]], None],
     ) -> None:
         progress("cleaning up")
         connections.close_all()
         delete_users([user for user, _ in owners] + claim_owners)
-        if record is not None:
+        for record in created:
             record.delete()
