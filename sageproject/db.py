@@ -29,3 +29,38 @@ def _call_and_release[T](fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 async def db_call[T](fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)`` in a worker thread and return its result."""
     return await sync_to_async(_call_and_release, thread_sensitive=False)(fn, *args, **kwargs)
+
+
+def database_url(alias: str = "default", name: str | None = None) -> str:
+    """A ``DATABASE_URL`` for a subprocess: this process's database (the test database under
+    the test runner), or the database ``name`` on the same server. Raises ValueError for an
+    in-memory SQLite database, which no other process can open."""
+    from urllib.parse import quote, urlencode
+
+    from django.db import connections
+
+    s = connections[alias].settings_dict
+    vendor = connections[alias].vendor
+    if vendor == "sqlite":
+        path = str(name or s["NAME"])
+        if path == ":memory:" or path.startswith("file:"):
+            raise ValueError("a subprocess needs a file database, not an in-memory one")
+        return f"sqlite:///{path}"
+    scheme = {"postgresql": "postgres", "mysql": "mysql"}[vendor]
+    auth = quote(s["USER"] or "")
+    if s["PASSWORD"]:
+        auth += ":" + quote(s["PASSWORD"])
+    host = s["HOST"] or "127.0.0.1"
+    port = f":{s['PORT']}" if s["PORT"] else ""
+    query: dict[str, Any] = {}
+    if vendor == "postgresql":
+        options = dict(s.get("OPTIONS") or {})
+        pool = options.pop("pool", None)
+        options.pop("options", None)  # set again by sageproject.config
+        if isinstance(pool, dict):
+            query["pool_max"] = pool.get("max_size", 20)
+        elif not pool:
+            query["pool"] = "0"
+        query.update({k: v for k, v in options.items() if isinstance(v, str | int)})
+    suffix = f"?{urlencode(query)}" if query else ""
+    return f"{scheme}://{auth}@{host}{port}/{quote(name or s['NAME'])}{suffix}"

@@ -70,7 +70,8 @@ async def _read(response, until, *, limit: float = BOUND) -> list[dict]:
     deadline = time.monotonic() + limit
     while not until(messages):
         remaining = deadline - time.monotonic()
-        assert remaining > 0, f"stream did not deliver in time; got {[m['event'] for m in messages]}"
+        got = [m["event"] for m in messages]
+        assert remaining > 0, f"stream did not deliver in time; got {got}"
         try:
             chunk = await asyncio.wait_for(iterator.__anext__(), remaining)
         except StopAsyncIteration:

@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import pytest
 from django.db import connection
 
+from sageproject.db import database_url
 from scheduling.models import TERMINAL_STATUSES, Event, Run, RunStatus, Session, WorkerSnapshot
 from scheduling.runs import CLAIM_IDLE_TIMEOUT_MS, TERMINAL_EVENTS
 from tests.conftest import demo_manifest
@@ -61,14 +61,7 @@ SQLITE_REASON = (
 
 def suite_database_url() -> str:
     """A DATABASE_URL that points a subprocess at this test's database."""
-    s = connection.settings_dict
-    scheme = {"postgresql": "postgres", "mysql": "mysql"}[connection.vendor]
-    auth = quote(s["USER"] or "")
-    if s["PASSWORD"]:
-        auth += ":" + quote(s["PASSWORD"])
-    host = s["HOST"] or "127.0.0.1"
-    port = f":{s['PORT']}" if s["PORT"] else ""
-    return f"{scheme}://{auth}@{host}{port}/{s['NAME']}"
+    return database_url()
 
 
 def subprocess_env(database_url: str, **extra: str) -> dict[str, str]:

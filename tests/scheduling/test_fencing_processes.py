@@ -19,13 +19,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import quote
 
 import pytest
-from django.db import connection
 from django.utils import timezone
 
 from pooling.models import ModelRecord, Protocol
+from sageproject.db import database_url
 from scheduling.models import Event, Run, RunStatus, WorkerSnapshot
 from tests.conftest import demo_manifest
 from tests.e2e.conftest import wait_for
@@ -35,21 +34,6 @@ pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = 30
 TOKEN_DELAY_MS = 60
-
-
-def database_url() -> str:
-    """A DATABASE_URL that points a subprocess at this test's database."""
-    s = connection.settings_dict
-    vendor = connection.vendor
-    if vendor == "sqlite":
-        return f"sqlite:///{s['NAME']}"
-    scheme = {"postgresql": "postgres", "mysql": "mysql"}[vendor]
-    auth = quote(s["USER"] or "")
-    if s["PASSWORD"]:
-        auth += ":" + quote(s["PASSWORD"])
-    host = s["HOST"] or "127.0.0.1"
-    port = f":{s['PORT']}" if s["PORT"] else ""
-    return f"{scheme}://{auth}@{host}{port}/{s['NAME']}"
 
 
 class WorkerProcess:

@@ -116,13 +116,14 @@ from datetime import datetime, timedelta
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode
 
 import orjson
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 from django.test.utils import override_settings
+
+from sageproject.db import database_url as _database_url
 
 ROOT = Path(settings.BASE_DIR)
 PEERS = ("procrastinate", "celery", "django-tasks-db")
@@ -172,33 +173,11 @@ def ratio_key(peer: str) -> str:
 
 
 def database_url(alias: str = "default", name: str | None = None) -> str:
-    """A ``DATABASE_URL`` for a subprocess: this process's database (the test database under
-    the test runner), or the sibling database ``name`` on the same server."""
-    s = connections[alias].settings_dict
-    vendor = connections[alias].vendor
-    if vendor == "sqlite":
-        path = str(name or s["NAME"])
-        if path == ":memory:" or path.startswith("file:"):
-            raise CommandError("subprocesses need a file database, not an in-memory one")
-        return f"sqlite:///{path}"
-    scheme = {"postgresql": "postgres", "mysql": "mysql"}[vendor]
-    auth = quote(s["USER"] or "")
-    if s["PASSWORD"]:
-        auth += ":" + quote(s["PASSWORD"])
-    host = s["HOST"] or "127.0.0.1"
-    port = f":{s['PORT']}" if s["PORT"] else ""
-    query: dict[str, Any] = {}
-    if vendor == "postgresql":
-        options = dict(s.get("OPTIONS") or {})
-        pool = options.pop("pool", None)
-        options.pop("options", None)  # set again by sageproject.config
-        if isinstance(pool, dict):
-            query["pool_max"] = pool.get("max_size", 20)
-        elif not pool:
-            query["pool"] = "0"
-        query.update({k: v for k, v in options.items() if isinstance(v, str | int)})
-    suffix = f"?{urlencode(query)}" if query else ""
-    return f"{scheme}://{auth}@{host}{port}/{quote(name or s['NAME'])}{suffix}"
+    """`sageproject.db.database_url`, failing as a command error."""
+    try:
+        return _database_url(alias, name)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def libpq_conninfo(alias: str = "default") -> str:
