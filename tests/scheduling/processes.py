@@ -1,0 +1,274 @@
+"""Real ``manage.py runworker`` processes against the test database, for fault tests.
+
+A test starts workers through the ``worker_processes`` fixture (register it in a test module
+with ``from tests.scheduling.processes import worker_processes_fixture`` and
+``worker_processes = worker_processes_fixture``)::
+
+    def test_it(worker_processes):
+        worker = worker_processes.start("a", SAGE_CRASH_AT="finish.after_commit")
+        worker.wait_killed(timeout=30)             # died of SIGKILL (its crash point)
+        expire_leases(worker)                      # dead: its leases need not run out
+        fresh = worker_processes.start("b")
+        ...
+        fresh.terminate()                          # SIGTERM, then wait for a clean exit
+
+Every process started through the fixture is stopped at teardown, on failure too. Keyword
+arguments of ``start`` are environment overrides (``None`` removes a variable). Waits
+raise ``AssertionError`` naming what was awaited, with the tail of each worker's log, so a
+failing test says why without hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+from django.utils import timezone
+
+from sageproject.db import database_url
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Worker settings for tests: a renewal every second and leases long enough that a loaded
+# machine (a worker's event loop stalled for seconds, e.g. importing a vendor SDK) does not
+# lose them; a test that kills a worker ends its leases with `expire_leases` rather than
+# waiting them out. A quick drain on SIGTERM.
+DEFAULT_ENV = {
+    "SAGE_LEASE_SECONDS": "10",
+    "SAGE_HEARTBEAT_SECONDS": "1",
+    "SAGE_SHUTDOWN_GRACE_SECONDS": "2",
+    "LOG_LEVEL": "INFO",
+    "PYTHONUNBUFFERED": "1",
+}
+# Inherited variables that must never reach a worker unless a test sets them.
+_CLEARED = ("SAGE_TEST_DB_NAME", "SAGE_CRASH_AT", "SAGE_STOP_AT")
+LOG_TAIL_CHARS = 4000
+
+
+def worker_env(overrides: Mapping[str, str | None] | None = None) -> dict[str, str]:
+    """The environment of a worker subprocess: this one's, the test database, the test's
+    ``SECRET_KEY`` (so it decrypts the model records the test wrote), `DEFAULT_ENV`, then
+    ``overrides`` (``None`` removes a variable)."""
+    env = {**os.environ}
+    for name in _CLEARED:
+        env.pop(name, None)
+    env.update(DEFAULT_ENV)
+    env["DATABASE_URL"] = database_url()  # this test's database
+    env["SECRET_KEY"] = settings.SECRET_KEY
+    for name, value in (overrides or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = str(value)
+    return env
+
+
+class WorkerProcess:
+    """One ``manage.py runworker`` subprocess; its output goes to ``log``."""
+
+    def __init__(self, name: str, log_dir: Path, env: Mapping[str, str | None] | None = None):
+        self.name = name
+        self.log = log_dir / f"worker-{name}.log"
+        self.env = dict(env or {})
+        self.started_at = time.monotonic()
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "manage.py", "runworker"],
+                cwd=ROOT,
+                env=worker_env(env),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def __repr__(self) -> str:
+        return f"<WorkerProcess {self.name} pid={self.pid} returncode={self.returncode}>"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def owner_marker(self) -> str:
+        """A substring of this worker's lease owner (worker ids are ``host:pid:suffix``)."""
+        return f":{self.pid}:"
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def killed(self) -> bool:
+        """True once the process has died of SIGKILL."""
+        return self.proc.poll() == -signal.SIGKILL
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        return self.output()[-chars:]
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL the process and reap it."""
+        if self.alive:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def wait_exit(self, timeout: float) -> int:
+        """Wait for the process to end; returns its return code (negative: the signal)."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"worker {self.name} (pid {self.pid}) still running after {timeout}s\n"
+                f"--- its log ---\n{self.tail()}"
+            ) from None
+
+    def wait_killed(
+        self,
+        timeout: float,
+        *,
+        unless: Callable[[], bool] | None = None,
+        grace: float = 5.0,
+        poll: float = 0.05,
+    ) -> None:
+        """Wait for the process to die of SIGKILL (a crash point); fails otherwise.
+
+        ``unless`` (optional) says the point can no longer be reached (e.g. the run it was
+        meant for has ended): once it has held for ``grace`` seconds with the process still
+        alive, fail at once instead of waiting out ``timeout``."""
+        deadline = time.monotonic() + timeout
+        gave_up_at: float | None = None
+        while self.alive:
+            now = time.monotonic()
+            if unless is not None and gave_up_at is None and unless():
+                gave_up_at = now
+            if gave_up_at is not None and now - gave_up_at >= grace:
+                raise AssertionError(
+                    f"worker {self.name} (pid {self.pid}, env {self.env}) never reached its "
+                    f"crash point\n--- its log ---\n{self.tail()}"
+                )
+            if now >= deadline:
+                raise AssertionError(
+                    f"worker {self.name} (pid {self.pid}, env {self.env}) still running after "
+                    f"{timeout}s\n--- its log ---\n{self.tail()}"
+                )
+            time.sleep(poll)
+        code = self.proc.wait()
+        if code != -signal.SIGKILL:
+            raise AssertionError(
+                f"worker {self.name} exited with {code}, not SIGKILL\n--- its log ---\n"
+                f"{self.tail()}"
+            )
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM (the graceful stop: drain, requeue, exit) and wait; SIGKILL at the
+        deadline. Returns the exit code."""
+        if self.alive:
+            self.proc.send_signal(signal.SIGCONT)  # a frozen (SIGSTOP) worker can't stop
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+
+def expire_leases(worker: WorkerProcess) -> int:
+    """End now the leases a dead worker still holds, instead of waiting them out: its
+    process is gone, so nothing can renew them (the next claim or reap treats them as a
+    crash). Returns how many runs it held."""
+    from scheduling.models import Run, RunStatus
+
+    if worker.alive:
+        raise RuntimeError(f"worker {worker.name} is alive; its leases are not dead")
+    return Run.objects.filter(
+        status=RunStatus.RUNNING, lease_owner__contains=worker.owner_marker
+    ).update(lease_expires_at=timezone.now() - timedelta(hours=1))
+
+
+class WorkerProcesses:
+    """What the ``worker_processes`` fixture yields: starts workers, stops them all."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: list[WorkerProcess] = []
+
+    def start(self, name: str | None = None, **env: str | None) -> WorkerProcess:
+        """Start a worker named ``name`` (default ``w<n>``) with environment overrides."""
+        worker = WorkerProcess(name or f"w{len(self.started) + 1}", self.log_dir, env)
+        self.started.append(worker)
+        return worker
+
+    def stop_all(self, timeout: float = 30.0) -> None:
+        for worker in self.started:
+            if worker.alive:
+                worker.terminate(timeout)
+
+    def describe(self, chars: int = 1500) -> str:
+        """Each worker's state and the tail of its log, for failure messages."""
+        parts = []
+        for worker in self.started:
+            parts.append(
+                f"--- worker {worker.name} pid={worker.pid} returncode={worker.returncode} "
+                f"env={worker.env} ---\n{worker.tail(chars)}"
+            )
+        return "\n".join(parts) or "(no workers started)"
+
+    def wait_for(
+        self,
+        predicate: Callable[[], bool],
+        *,
+        timeout: float,
+        message: str,
+        running: Iterable[WorkerProcess] = (),
+        poll: float = 0.05,
+    ) -> None:
+        """Poll ``predicate`` until it holds; at the deadline fail with ``message`` and the
+        workers' logs. Fails at once when a worker in ``running`` has exited (a worker that
+        stopped on an error will not make the predicate true)."""
+        deadline = time.monotonic() + timeout
+        running = tuple(running)
+        while True:
+            if predicate():
+                return
+            exited = [w for w in running if not w.alive]
+            if exited:
+                names = ", ".join(f"{w.name} ({w.returncode})" for w in exited)
+                raise AssertionError(
+                    f"worker {names} exited while waiting for {message}\n{self.describe()}"
+                )
+            if time.monotonic() >= deadline:
+                raise AssertionError(
+                    f"timed out after {timeout}s waiting for {message}\n{self.describe()}"
+                )
+            time.sleep(poll)
+
+
+@pytest.fixture(name="worker_processes")
+def worker_processes_fixture(tmp_path: Path) -> Iterator[WorkerProcesses]:
+    """Start ``runworker`` subprocesses on the test database; all are stopped afterwards."""
+    workers = WorkerProcesses(tmp_path)
+    try:
+        yield workers
+    finally:
+        for worker in workers.started:
+            try:
+                worker.terminate(timeout=15)
+            except Exception:  # teardown goes on to the next worker whatever happens
+                worker.proc.kill()
