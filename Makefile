@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test bootstrap celery lint bench clean
+.PHONY: run test torture bootstrap celery lint bench clean
 
 bootstrap:
 	@./.ci/bootstrap
@@ -15,6 +15,11 @@ run: bootstrap
 
 test: bootstrap
 	@$(PY) -m tests.runner
+
+# The fault tests at full size on every database (the suite runs them reduced): the chaos
+# run kills a worker 20 times while 400 runs of 40 sessions execute.
+torture: bootstrap
+	@SAGE_TORTURE=1 $(PY) -m tests.runner tests/scheduling/test_lifecycle_faults.py tests/scheduling/test_database_outages.py
 
 celery: bootstrap
 	@$(VENV)/bin/celery -A sageproject.celery worker --loglevel=INFO --pool=threads --concurrency=4
