@@ -60,7 +60,7 @@ from pooling import providers
 from pooling.budget import ModelConcurrencyBudget
 from pooling.clients import ModelClientPool
 from pooling.models import ModelRecord
-from pooling.providers import get_adapter
+from pooling.providers import load_adapter
 from pooling.providers.base import ModelRequest, TextDelta
 from sageproject.db import db_call
 from sageproject.errors import ErrorCategory, NotFoundError, SageError
@@ -679,7 +679,7 @@ class RunExecutor:
         """One model call: a client leased for this user and record, one budget slot
         held for the whole stream. Pool-full and budget errors are raised before any
         request reaches the provider."""
-        adapter = get_adapter(record.protocol)
+        adapter = await load_adapter(record.protocol)
         async with await self.pool.acquire(owner_id, record) as lease:
             bounded = self.budget.wrap(_LeasedProvider(adapter, lease.provider))
             async for item in bounded.stream(request):

@@ -7,6 +7,7 @@ never pays for importing them.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import threading
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "connection_error",
     "create_client",
     "get_adapter",
+    "load_adapter",
     "parse_error_body",
     "upstream_error",
 ]
@@ -77,13 +79,23 @@ def get_adapter(protocol: str) -> ProviderAdapter:
     return adapter
 
 
+async def load_adapter(protocol: str) -> ProviderAdapter:
+    """`get_adapter` for async callers: the first use of a protocol imports its vendor SDK
+    in a thread (close to a second for ``openai``), so the event loop — and every lease
+    renewer on it — never stalls on the import."""
+    adapter = _adapters.get(protocol) if isinstance(protocol, str) else None
+    if adapter is not None:
+        return adapter
+    return await asyncio.to_thread(get_adapter, protocol)
+
+
 async def create_client(record: Any) -> Any:
     """Build the SDK client for a model record: the model client pool's ``factory``.
 
     ``record`` is any object with ``id``, ``protocol``, ``base_url``, ``model``, ``api_key``
     and ``options``. Raises ``ValidationError("model.protocol_unsupported")``.
     """
-    return await get_adapter(record.protocol).create_client(record)
+    return await (await load_adapter(record.protocol)).create_client(record)
 
 
 async def close_client(client: Any) -> None:
