@@ -658,6 +658,10 @@ def _heads(
     if queue is not None:
         base_params.append(queue)
     with connection.cursor() as cursor:
+        if connection.vendor == "mysql" and not connection.mysql_is_mariadb:
+            # MySQL 8 stops a recursive query after 1,000 rounds by default: one round per
+            # user with queued runs here. (MariaDB and PostgreSQL set no such limit.)
+            cursor.execute("SET SESSION cte_max_recursion_depth = 1000000")
         cursor.execute(
             f"WITH RECURSIVE owners (o) AS ("
             f" SELECT MIN({owner}) FROM {table} WHERE {base}"
