@@ -20,7 +20,7 @@ EventBatch = list[tuple[str, dict[str, Any]]]
 Emit = Callable[[EventBatch], Awaitable[None]]
 CallModel = Callable[[ModelRequest], AsyncIterator[Any]]
 
-# Event types that rebuild a conversation (BEHAVIOUR §8 names).
+# Event types that rebuild a conversation (part of the event contract, docs/DESIGN.md §3).
 MESSAGE_COMPLETED = "message.completed"
 TOOL_STARTED = "tool.call.started"
 TOOL_SUCCEEDED = "tool.call.succeeded"

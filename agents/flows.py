@@ -1,6 +1,6 @@
 """Flow reachability and an engine-agnostic flow executor.
 
-Reachability (DESIGN §4, BEHAVIOUR §6.1) decides which agents of a package need a model
+Reachability (docs/DESIGN.md §4) decides which agents of a package need a model
 when a session starts: only the entrypoint and the members reachable from it, never the
 whole package (explicit validation is what checks every agent).
 

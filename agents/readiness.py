@@ -3,7 +3,7 @@
 A package can be *valid* (its manifest is well formed and self-consistent) and still not
 *ready*: a skill was removed from disk, a tool plugin failed to import, a model record was
 renamed. Readiness answers that question per agent, for every agent of the package,
-without calling a model, executing a tool or loading a skill's content (BEHAVIOUR §5.12):
+without calling a model, executing a tool or loading a skill's content:
 discovery only. What discovery cannot settle is reported as ``unverified`` rather than
 guessed, and strict mode (``SAGE_REQUIRE_READINESS``) treats it like a missing resource.
 """

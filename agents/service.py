@@ -1,4 +1,4 @@
-"""``AgentManagementService``: the worker's resident Applications (BEHAVIOUR §5).
+"""``AgentManagementService``: the worker's resident Applications.
 
 An *Application* is one agent of one package version prepared for runs: the parsed
 manifest, the resolved instructions, the tools, the model record view of the agent and of
@@ -28,7 +28,7 @@ from sageproject.errors import RateLimitedError, SageError, UnavailableError
 
 logger = logging.getLogger("sage.management")
 
-# Archive batches before a release and in the start-up sweep (BEHAVIOUR §5.9).
+# Archive batches before a release and in the start-up sweep.
 ARCHIVE_BATCH = 100
 
 READY = "ready"
@@ -431,7 +431,8 @@ class AgentManagementService:
                 app.unfinished = None
 
     def capacity(self) -> dict[str, Any]:
-        """BEHAVIOUR §5.8 figures plus ``resident``: one row per Application."""
+        """Applications resident, building and leased against the limit, operations in flight,
+        the automatic idle age, plus ``resident``: one row per Application."""
         now = self._clock()
         resident = []
         for app in sorted(self._apps.values(), key=lambda a: a.last_used):

@@ -10,7 +10,7 @@ with a small front matter naming the skill::
     (body: loaded only when an agent asks for it)
 
 Discovery reads only the front matter, never the body: readiness must be able to say a
-skill exists without materialising it (BEHAVIOUR §5.12), and a large skill costs nothing
+skill exists without materialising it, and a large skill costs nothing
 until it is used.
 """
 

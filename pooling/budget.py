@@ -1,4 +1,4 @@
-"""A fair, bounded budget of concurrent model calls (BEHAVIOUR §2).
+"""A fair, bounded budget of concurrent model calls.
 
 One ``ModelConcurrencyBudget`` is shared by every Application of a worker: it caps how many
 model streams run at once, how many callers may queue for a slot, and how long they may

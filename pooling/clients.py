@@ -1,4 +1,4 @@
-"""A bounded pool of model SDK clients shared by Runs (BEHAVIOUR §1.1-1.2).
+"""A bounded pool of model SDK clients shared by Runs.
 
 The worker owns the clients; Runs borrow them through leases. One client exists per
 (user, model record, protocol, base URL, model name, credential): changing any of those

@@ -87,7 +87,7 @@ class Worker:
         )
         self.max_pending = sage["SAGE_SERVER_MAX_PENDING_RUNS"]
         self.lease_seconds = lease_seconds or sage["SAGE_LEASE_SECONDS"]
-        # Renewal runs every third of the lease (BEHAVIOUR §3.6); the heartbeat setting
+        # Renewal runs every third of the lease; the heartbeat setting
         # is kept for compatibility and as an upper bound on that period.
         self.heartbeat_seconds = heartbeat_seconds or sage["SAGE_HEARTBEAT_SECONDS"]
         self.grace_seconds = (

@@ -1,4 +1,4 @@
-"""Background jobs: bounded runtimes that run long work beside an agent (BEHAVIOUR §6.2-6.3).
+"""Background jobs: bounded runtimes that run long work beside an agent.
 
 ``InMemoryJobRuntime`` runs jobs on the worker's event loop; ``CeleryJobRuntime`` runs the
 same contract on Celery workers over Redis. One runtime per worker process, shared by every

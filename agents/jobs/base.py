@@ -1,4 +1,4 @@
-"""Job contracts shared by every job runtime (BEHAVIOUR §6.2).
+"""Job contracts shared by every job runtime.
 
 A *job* is long-running work an agent starts and keeps talking past: a data export, a long
 Python computation. A runtime admits it (bounded), runs it through a *runner* chosen by its
@@ -279,7 +279,8 @@ JobEventCallback = Callable[[JobSnapshot, str, Mapping[str, Any]], Awaitable[Non
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobLimits:
-    """The limits of BEHAVIOUR §6.3, validated once and shared by both runtimes."""
+    """The job limits (concurrent, admitted, output size, time), validated once and
+    shared by both runtimes."""
 
     max_concurrent_jobs: int = 32
     max_admitted_jobs: int = 1024
@@ -340,7 +341,7 @@ def to_bytes(data: bytes | str) -> bytes:
     return bytes(data)
 
 
-# --- errors (stable codes of BEHAVIOUR §6.3) -------------------------------------------
+# --- errors (stable codes, listed in docs/DESIGN.md §8.3) ------------------------------
 
 
 def runtime_closed() -> SageError:

@@ -110,7 +110,7 @@ class _Job:
 
 
 class InMemoryJobRuntime:
-    """Runs jobs as tasks on the current event loop within the limits of BEHAVIOUR §6.3.
+    """Runs jobs as tasks on the current event loop within the limits of ``JobLimits``.
 
     ``on_event(snapshot, event_type, data)`` (optional, async) is awaited on every lifecycle
     change (``job.created``, ``job.started``, ``job.completed``, ``job.failed``,

@@ -1,4 +1,4 @@
-"""The job runtime contract (BEHAVIOUR §6.2-6.3), run against every runtime.
+"""The job runtime contract, run against every runtime.
 
 Parametrized over ``InMemoryJobRuntime`` and ``CeleryJobRuntime`` (real Redis, a real Celery
 worker subprocess). Only the built-in diagnostic kinds are used (``echo``, ``sleep``) so the

@@ -1,4 +1,4 @@
-"""The one behaviour suite every `Scheduler` backend must pass (BEHAVIOUR §3.1-3.3, §3.5).
+"""The one behaviour suite every `Scheduler` backend must pass.
 
 Use it by subclassing `SchedulerContract` in a ``test_*.py`` module and providing:
 

@@ -1,4 +1,4 @@
-"""Incremental event persistence on real databases (BEHAVIOUR §3.7, §3.8, §4).
+"""Incremental event persistence on real databases.
 
 Run against every database: the default SQLite, and PostgreSQL / MySQL through
 ``DATABASE_URL``. Statements are captured on the writer thread's own connection, where

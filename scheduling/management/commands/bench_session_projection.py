@@ -1,6 +1,6 @@
 """``manage.py bench_session_projection``: the cost of serializing a commit's events.
 
-Coordinator serialization only (BEHAVIOUR §4): a synthetic history of N copies of one
+Coordinator serialization only: a synthetic history of N copies of one
 typical event; ``full`` serializes the whole history (the truncation / full-export path),
 ``append`` only the event after a persisted prefix of N-1 (the ordinary commit). No SQL,
 no model I/O: the figures cannot be turned into QPS.

@@ -1,6 +1,6 @@
 """``manage.py bench_single_host``: fence contention of fenced writes, global lock vs per run.
 
-BEHAVIOUR §3.9: for each of ``--sessions`` runs, submit one work item and claim it (lease
+For each of ``--sessions`` runs, submit one work item and claim it (lease
 1 h); then every run does ``--writes`` sequential ``execute_fenced`` calls whose operation
 simulates ``--io-ms`` of storage I/O with ``asyncio.sleep``. Two paths, one JSON line each:
 
