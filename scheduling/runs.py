@@ -42,7 +42,7 @@ session's durable prefix, so the two never interleave sequence numbers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -75,7 +75,6 @@ from scheduling import wakeups
 from scheduling.faults import crash_point
 from scheduling.leases import ClaimCandidate, ClaimOrder, FenceRejected, fair_order
 from scheduling.models import (
-    TERMINAL_STATUSES,
     UNFINISHED_STATUSES,
     Event,
     FenceSequence,
@@ -481,7 +480,6 @@ def claim(
     per_tenant: int | None = None,
     queue: str | None = None,
     limit: int = 1,
-    exclude: Iterable[str] = (),
     max_crashes: int | None = None,
     reap: bool = True,
     using: str = DEFAULT_DB_ALIAS,
@@ -493,7 +491,7 @@ def claim(
     every other worker's claims). The claim itself serializes on the fence-sequence row; on
     PostgreSQL a transaction left idle by a frozen process is ended after
     ``CLAIM_IDLE_TIMEOUT_MS`` (MySQL: its connection is dropped). Dead leases are reaped
-    first (see `reap`), except runs in ``exclude``. A fixed number of statements whatever
+    first (see `reap`). A fixed number of statements whatever
     ``limit``, none of which scans the queue (see `_heads`).
     """
     db = using
@@ -511,7 +509,7 @@ def claim(
                         f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}"
                     )
             fence_row = _fence_row(db)
-            reaped = _reap_locked(db, clock, frozenset(exclude), max_crashes) if reap else []
+            reaped = _reap_locked(db, clock, max_crashes) if reap else []
             running = {
                 owner: n
                 for owner, n in Run.objects.using(db)
@@ -859,7 +857,7 @@ def renew(
                 .values_list("lease_expires_at", flat=True)
                 .get()
             )
-        _reap_locked(using, clock, frozenset(), max_crashes)
+        _reap_locked(using, clock, max_crashes)
         return None
 
 
@@ -907,25 +905,20 @@ _REQUEUE = {
 def reap(
     *,
     max_crashes: int | None = None,
-    exclude: Iterable[str] = (),
     using: str = DEFAULT_DB_ALIAS,
     clock: Clock = None,
 ) -> list[str]:
-    """End every dead lease (not in ``exclude``); returns the run ids touched."""
+    """End every dead lease; returns the run ids touched."""
     with transaction.atomic(using=using):
-        return _reap_locked(using, clock, frozenset(exclude), max_crashes)
+        return _reap_locked(using, clock, max_crashes)
 
 
-def _reap_locked(
-    using: str, clock: Clock, exclude: frozenset[str], max_crashes: int | None
-) -> list[str]:
+def _reap_locked(using: str, clock: Clock, max_crashes: int | None) -> list[str]:
     """A run whose lease is dead lost its worker (a crash): with a cancel requested it ends
     ``cancelled`` (or ``interrupted``); once ``max_crashes`` crashes are used up it ends
     ``failed`` (``execution.worker_restarted``); otherwise it is queued again with one more
     crash counted. Each ending writes its terminal event and archive here."""
     dead = Run.objects.using(using).filter(_dead_lease(clock))
-    if exclude:
-        dead = dead.exclude(pk__in=list(exclude))
     rows = list(dead.values_list("pk", "session_id", "crashes", "cancel_requested", "stop_request"))
     # A cancel requested of a queued run (written by an older version) also ends here.
     stale_cancels = list(
@@ -1369,7 +1362,3 @@ class Outcome:
             self.flow_outputs,
             rollback=self.rollback,
         )
-
-
-def is_terminal(status: str) -> bool:
-    return status in TERMINAL_STATUSES
