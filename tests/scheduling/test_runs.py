@@ -299,7 +299,7 @@ def test_finish_writes_status_result_event_and_archive_in_one_transaction(alice,
     class Boom(Exception):
         pass
 
-    def archiver_fails(run: Run, flow_outputs: Any) -> None:
+    def archiver_fails(records: list[runs.ArchiveRecord], using: str) -> None:
         raise Boom
 
     previous = runs._archiver
