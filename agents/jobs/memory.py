@@ -364,8 +364,16 @@ class InMemoryJobRuntime:
     async def _fire(self, job: _Job, event_type: str, data: Mapping[str, Any]) -> None:
         if self._on_event is None:
             return
+        recording = asyncio.ensure_future(self._on_event(job.snapshot(), event_type, data))
         try:
-            await self._on_event(job.snapshot(), event_type, data)
+            await asyncio.shield(recording)
+        except asyncio.CancelledError:
+            # A kill arriving while an event is being recorded (job.started) waits for it:
+            # a recording cut short would still finish in its database thread, after the
+            # job.killed recorded next, and the session would read "killed" then "started".
+            with contextlib.suppress(Exception):
+                await recording
+            raise
         except Exception:
             # A broken event sink must not fail the job or the submit.
             logger.exception("job event callback failed for %s %s", job.job_id, event_type)

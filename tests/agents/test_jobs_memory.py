@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 import pytest
@@ -147,6 +148,29 @@ async def test_it_keeps_running_a_job_when_the_event_callback_fails():
     handle = await runtime.submit(spec(chunks=["ok"]))
 
     assert (await runtime.wait(handle.job_id)).state is JobState.COMPLETED
+
+
+async def test_a_kill_during_the_start_event_records_the_events_in_order():
+    # The recording of job.started runs in a database thread; a kill arriving meanwhile
+    # must wait for it, or job.killed is written first and job.started after it.
+    written: list[str] = []
+    recording_started = asyncio.Event()
+
+    async def slow_sink(snapshot, event_type, data):
+        if event_type == "job.started":
+            recording_started.set()
+            await asyncio.to_thread(lambda: (time.sleep(0.2), written.append(event_type)))
+        else:
+            written.append(event_type)
+
+    runtime = InMemoryJobRuntime(on_event=slow_sink)
+    handle = await runtime.submit(spec("sleep", seconds=3600))
+    await recording_started.wait()
+
+    assert (await runtime.cancel(handle.job_id)).state is JobState.KILLED
+    await asyncio.sleep(0.3)
+    assert written == ["job.created", "job.started", "job.killed"]
+    await runtime.close()
 
 
 # --- limits and retention ---------------------------------------------------------------
