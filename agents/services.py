@@ -12,7 +12,6 @@ from django.db import connections
 
 from agents.models import AgentPackage, ManagedAgentRecord
 from agents.packages import package_resolve, package_validate, strict_mode
-from sageproject.dblocks import named_lock
 from sageproject.errors import (
     ConflictError,
     ErrorCategory,
@@ -71,27 +70,27 @@ def run_submit(
     A repeated ``idempotency_key`` answers the run it created first. Raises
     ``session.not_found`` (404), ``scheduler.queue_full`` (429) at the pending limits and
     ``session.busy`` (409) for ``multitask=reject`` while the session has an unfinished
-    run. Admission is serialized by a database lock, so concurrent submissions never
-    exceed the limit, never lose a run and never create two runs for one key. A session
-    runs one run at a time: later runs wait in order (see ``scheduling.runs.admit``).
+    run. Concurrent submissions never exceed the limits, never lose a run and never create
+    two runs for one key, without waiting for each other (``scheduling.pending``). A
+    session runs one run at a time: later runs wait in order (see
+    ``scheduling.runs.admit``).
     """
-    session = Session.objects.filter(pk=session_id, owner=owner).first()
-    if session is None:
-        raise NotFoundError("session.not_found", "session not found")
     if strict_mode():
+        session = Session.objects.filter(pk=session_id, owner=owner).first()
+        if session is None:
+            raise NotFoundError("session.not_found", "session not found")
         package = AgentPackage.objects.filter(owner=owner, ref=session.package_ref).first()
         if package is None:
             raise NotFoundError("package.not_found", "the session's package version is gone")
         package_validate(owner=owner, package=package, strict=True)
     return runs.admit(
         owner=owner,
-        session=session,
+        session_id=session_id,
         input=input,
         idempotency_key=idempotency_key,
         queue=queue,
         priority=priority,
         multitask=multitask,
-        lock=lambda: named_lock("sage.run_admission"),
     )
 
 

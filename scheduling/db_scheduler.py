@@ -33,7 +33,7 @@ from django.db import transaction
 
 from sageproject.db import db_call
 from sageproject.errors import NotFoundError
-from scheduling import runs
+from scheduling import pending, runs
 from scheduling.leases import (
     FenceRejected,
     LeaseExpired,
@@ -149,6 +149,7 @@ class DatabaseScheduler:
         self.polls = 0
         self.reaped = 0
         self._next_reap = 0.0
+        self._next_recount = time.monotonic() + pending.RECONCILE_SECONDS
 
     # ----------------------------------------------------------------- introspection
 
@@ -230,7 +231,7 @@ class DatabaseScheduler:
                 Run.objects.using(self.using)
                 .select_for_update()
                 .filter(pk=work.run_id)
-                .values("status", "parent_id")
+                .values("status", "parent_id", "owner_id", "admission_slot")
                 .first()
             )
             if row is None:
@@ -252,7 +253,8 @@ class DatabaseScheduler:
             }
             if self.queue is not None:
                 values["queue"] = self.queue
-            Run.objects.using(self.using).filter(pk=work.run_id, status=status).update(**values)
+            if Run.objects.using(self.using).filter(pk=work.run_id, status=status).update(**values):
+                pending.put_back(pending.root_runs([row]), using=self.using)
             return True
 
     async def submit(self, work: WorkItem) -> bool:
@@ -310,6 +312,15 @@ class DatabaseScheduler:
         self._after_reap(reaped)
         return len(reaped)
 
+    async def recount_pending(self) -> int:
+        """Correct the pending counters from the queued runs themselves (queued rows that
+        went without a transition: a deleted session, an import); returns how many counters
+        were wrong (logged)."""
+        wrong = await self._db(pending.reconcile, using=self.using)
+        if wrong:
+            logger.warning("pending counts corrected: %d counter(s) were off", wrong)
+        return wrong
+
     def _after_reap(self, reaped: list[str]) -> None:
         self.reaped += len(reaped)
         for run_id in reaped:
@@ -362,6 +373,9 @@ class DatabaseScheduler:
             clock=self._clock,
         )
         self._after_reap(reaped)
+        if now >= self._next_recount:
+            self._next_recount = now + pending.RECONCILE_SECONDS
+            await self.recount_pending()
         leases = [self._lease_from_grant(grant, worker_id) for grant in grants]
         if self._closed and leases:
             # Closed while the claim ran: hand the rows straight back.

@@ -182,6 +182,9 @@ class Run(models.Model):
     # Executions that ended because their worker died (the lease expired): the crash
     # budget SAGE_MAX_RUN_ATTEMPTS counts these, not suspensions or graceful restarts.
     crashes = models.PositiveIntegerField(default=0)
+    # The host pending-count stripe this run's place is counted in while it is queued
+    # (scheduling.pending).
+    admission_slot = models.PositiveSmallIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -217,6 +220,18 @@ class Run(models.Model):
     @property
     def is_terminal(self) -> bool:
         return self.status in TERMINAL_STATUSES
+
+
+class PendingCount(models.Model):
+    """Queued root runs of one admission scope: a stripe of the host's count (``host.07``)
+    or a user's (``user.<id>``). Kept in the transaction of every transition into or out
+    of the queue; see ``scheduling.pending``."""
+
+    scope = models.CharField(max_length=40, primary_key=True)
+    pending = models.IntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.scope}: {self.pending}"
 
 
 class FenceSequence(models.Model):

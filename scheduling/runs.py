@@ -48,15 +48,22 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    IntegrityError,
+    OperationalError,
+    connections,
+    transaction,
+)
 from django.db.models import (
     BigIntegerField,
     Case,
     Count,
     DateTimeField,
+    Exists,
     ExpressionWrapper,
     F,
+    OuterRef,
     Q,
     Value,
     When,
@@ -71,7 +78,7 @@ from sageproject.errors import (
     RateLimitedError,
     SageError,
 )
-from scheduling import wakeups
+from scheduling import pending, wakeups
 from scheduling.faults import crash_point
 from scheduling.leases import ClaimCandidate, ClaimOrder, FenceRejected, fair_order
 from scheduling.models import (
@@ -387,63 +394,129 @@ def queue_full_error(limit: int, *, per_user: bool = False) -> RateLimitedError:
 def admit(
     *,
     owner: Any,
-    session: Session,
+    session_id: Any,
     input: Any,
     idempotency_key: str | None = None,
     queue: str = RunQueue.CHAT,
     priority: int = 0,
     multitask: str = Multitask.ENQUEUE,
-    lock: Callable[[], Any],
+    using: str = DEFAULT_DB_ALIAS,
 ) -> tuple[Run, bool]:
-    """Admit a run (queued); returns (run, created).
+    """Admit a run (queued) into ``owner``'s session; returns (run, created).
 
-    ``lock()`` is a context manager serializing admissions (a database lock held to the
-    commit). A repeated ``idempotency_key`` answers the run it created first. Raises
+    One transaction, no global lock: the session row's lock orders it against the
+    session's other runs, and its pending places are taken from the host's and the user's
+    counters (`scheduling.pending`), so concurrent admissions never exceed the limits. A
+    repeated ``idempotency_key`` answers the run it created first. Raises
+    ``session.not_found`` (404) for a session that is not the owner's,
     ``scheduler.queue_full`` (429) at the pending limits and ``session.busy`` (409) for
     ``multitask=reject`` on a session with an unfinished run. With ``interrupt`` or
     ``rollback`` the session's unfinished runs are stopped (queued and suspended ones at
     once, a running one by its worker at its next step) and the new run follows them.
     """
-    multitask = Multitask(multitask)
-    limit = settings.SAGE["SAGE_SERVER_MAX_PENDING_RUNS"]
-    per_user = settings.SAGE["SAGE_SERVER_MAX_PENDING_RUNS_PER_USER"]
-    with lock():
+    owner_id = getattr(owner, "pk", owner)
+    args = (owner_id, session_id, input, idempotency_key, queue, priority, Multitask(multitask))
+    slot = None
+    for attempt in range(ADMIT_ATTEMPTS):
+        try:
+            try:
+                return _admit(*args, slot, using)
+            except pending.StripeFull:
+                # Another stripe has room, or the host is full (refused here).
+                slot = pending.roomiest(owner_id, using=using)
+        except pending.Missing as missing:
+            # A new user (or an emptied table): its counter rows are created on their
+            # own, then the admission runs again from the start.
+            pending.create(missing.scopes, using=using)
+            slot = None
+        except pending.Full as full:
+            raise queue_full_error(full.limit, per_user=full.per_user) from None
+        except OperationalError as exc:
+            # A deadlock with another writer of the counters (an interrupting admission
+            # gives places back while taking one): the database rolled this one back.
+            if attempt == ADMIT_ATTEMPTS - 1 or not is_deadlock(exc):
+                raise
+            slot = None
+    raise queue_full_error(pending.host_limit())
+
+
+# Attempts of one admission: its stripe full, then each stripe `roomiest` named filled by
+# others meanwhile; after that the host is as good as full.
+ADMIT_ATTEMPTS = 8
+
+
+def is_deadlock(exc: BaseException) -> bool:
+    """The database chose this transaction as a deadlock's victim (PostgreSQL 40P01,
+    MySQL 1213)."""
+    cause = exc.__cause__
+    return getattr(cause, "sqlstate", None) == "40P01" or (
+        bool(getattr(cause, "args", None)) and cause.args[0] == 1213
+    )
+
+
+def _admit(
+    owner_id: Any,
+    session_id: Any,
+    input: Any,
+    idempotency_key: str | None,
+    queue: str,
+    priority: int,
+    multitask: Multitask,
+    slot: int | None,
+    using: str,
+) -> tuple[Run, bool]:
+    runs = Run.objects.using(using)
+    with transaction.atomic(using=using):
         if idempotency_key:
-            existing = Run.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
+            existing = runs.filter(owner_id=owner_id, idempotency_key=idempotency_key).first()
             if existing is not None:
                 return existing, False
-        # Both pending counts in one statement (an index range over queued rows).
-        counts = Run.objects.filter(status=RunStatus.QUEUED, parent__isnull=True).aggregate(
-            total=Count("pk"), mine=Count("pk", filter=Q(owner=owner))
-        )
-        if counts["total"] >= limit:
-            raise queue_full_error(limit)
-        # One user flooding the queue must not lock everyone else out of admission.
-        if counts["mine"] >= per_user:
-            raise queue_full_error(per_user, per_user=True)
         # The session row's lock orders this admission against the session's finishing
-        # run (which promotes the next one under the same lock).
-        Session.objects.select_for_update().filter(pk=session.pk).values_list("pk").first()
-        unfinished = Run.objects.filter(session=session, status__in=UNFINISHED_STATUSES)
-        busy = list(unfinished.values_list("pk", flat=True))
+        # run (which promotes the next one under the same lock); whether the session has
+        # an unfinished run comes back in the same statement.
+        unfinished = runs.filter(session_id=OuterRef("pk"), status__in=UNFINISHED_STATUSES)
+        locked = (
+            Session.objects.using(using)
+            .filter(pk=session_id, owner_id=owner_id)
+            .annotate(busy=Exists(unfinished))
+        )
+        features = connections[using].features
+        if features.has_select_for_update:
+            locked = locked.select_for_update(
+                of=("self",) if features.has_select_for_update_of else ()
+            )
+        row = locked.values_list("pk", "busy").first()
+        if row is None:
+            raise NotFoundError("session.not_found", "session not found")
+        busy = row[1]
         if busy and multitask is Multitask.REJECT:
             raise session_busy_error()
         if busy and multitask in (Multitask.INTERRUPT, Multitask.ROLLBACK):
-            for run_id in busy:
-                _stop(run_id, StopRequest(multitask.value), using=DEFAULT_DB_ALIAS)
-            busy = list(unfinished.values_list("pk", flat=True)[:1])
-        ready = not busy
-        run = Run.objects.create(
-            session=session,
-            owner=owner,
+            stopping = runs.filter(session_id=session_id, status__in=UNFINISHED_STATUSES)
+            for run_id in list(stopping.values_list("pk", flat=True)):
+                _stop(run_id, StopRequest(multitask.value), using=using)
+            busy = stopping.exists()
+        run = Run(
+            session_id=session_id,
+            owner_id=owner_id,
             input=input,
             idempotency_key=idempotency_key or None,
             queue=queue,
             priority=priority,
-            ready=ready,
+            ready=not busy,
         )
-        if ready:
-            wakeups.notify("run")
+        try:
+            # A savepoint only where a concurrent twin can make the insert fail.
+            with transaction.atomic(using=using, savepoint=bool(idempotency_key)):
+                run.admission_slot = pending.take(owner_id, slot, using=using)
+                run.save(force_insert=True, using=using)
+        except IntegrityError:
+            if not idempotency_key:
+                raise
+            # A concurrent admission with the same key committed first: answer its run.
+            return runs.get(owner_id=owner_id, idempotency_key=idempotency_key), False
+        if run.ready:
+            wakeups.notify("run", using=using)
     return run, True
 
 
@@ -553,8 +626,19 @@ def claim(
                         row["pk"]: row
                         for row in Run.objects.using(db)
                         .filter(pk__in=ordered)
-                        .values(*_ROW_FIELDS, *_CLAIMED_FIELDS, "lease_expires_at")
+                        .values(
+                            *_ROW_FIELDS, *_CLAIMED_FIELDS, "lease_expires_at", "admission_slot"
+                        )
                     }
+                    # Their places in the pending counts are free again.
+                    pending.give_back(
+                        [
+                            (row["owner_id"], row.pop("admission_slot"))
+                            for row in rows.values()
+                            if row["parent_id"] is None
+                        ],
+                        using=db,
+                    )
                     for pk in ordered:
                         row = rows[pk]
                         expires = row.pop("lease_expires_at")
@@ -885,8 +969,15 @@ def requeue(
     with transaction.atomic(using=using):
         requeued = rows.update(**values) == 1
         if requeued:
+            _put_back([fence.run_id], using)
             wakeups.notify("run", using=using)
         return requeued
+
+
+def _put_back(run_ids: list[Any], using: str) -> None:
+    """Runs back in the queue take their pending places again."""
+    rows = Run.objects.using(using).filter(pk__in=run_ids, parent__isnull=True)
+    pending.put_back(rows.values_list("owner_id", "admission_slot"), using=using)
 
 
 # The token is cleared too, so a stale lease can never match a requeued row; the row keeps
@@ -927,6 +1018,7 @@ def _reap_locked(using: str, clock: Clock, max_crashes: int | None) -> list[str]
         .values_list("pk", flat=True)
     )
     touched: list[str] = []
+    requeued: list[Any] = []
     for pk, session_id, crashes, cancel, stop in rows:
         expected = Q(pk=pk) & _dead_lease(clock)
         if cancel:
@@ -953,9 +1045,12 @@ def _reap_locked(using: str, clock: Clock, max_crashes: int | None) -> list[str]
                 == 1
             )
             if ended:
+                requeued.append(pk)
                 logger.info("run %s requeued: its worker stopped (crash %d)", pk, crashes + 1)
         if ended:
             touched.append(str(pk))
+    if requeued:
+        _put_back(requeued, using)
     for pk in stale_cancels:
         if cancel_queued(pk, using=using):
             touched.append(str(pk))
@@ -1035,24 +1130,29 @@ def cancel_queued(
 ) -> bool:
     """End a queued or suspended run now (cancelled or interrupted), with its event and
     archive; False if it is not queued or suspended."""
-    session_id = (
-        Run.objects.using(using).filter(pk=run_id).values_list("session_id", flat=True).first()
-    )
-    if session_id is None:
-        return False
-    status = _stopped_status(reason)
-    expected = Q(pk=run_id, status__in=[RunStatus.QUEUED, RunStatus.SUSPENDED])
-    ended = _end(
-        run_id,
-        session_id,
-        expected,
-        status,
-        extra={"cancel_requested": True, "stop_request": reason, "ready": True},
-        using=using,
-    )
-    if ended and reason == StopRequest.ROLLBACK:
-        remove_run_events(session_id, run_id, using=using)
-    return ended
+    with transaction.atomic(using=using, savepoint=False):
+        row = (
+            Run.objects.using(using)
+            .filter(pk=run_id, status__in=[RunStatus.QUEUED, RunStatus.SUSPENDED])
+            .values("session_id", "status", "owner_id", "admission_slot", "parent_id")
+            .first()
+        )
+        if row is None:
+            return False
+        session_id = row["session_id"]
+        ended = _end(
+            run_id,
+            session_id,
+            Q(pk=run_id, status=row["status"]),
+            _stopped_status(reason),
+            extra={"cancel_requested": True, "stop_request": reason, "ready": True},
+            using=using,
+        )
+        if ended and row["status"] == RunStatus.QUEUED:
+            pending.give_back(pending.root_runs([row]), using=using)
+        if ended and reason == StopRequest.ROLLBACK:
+            remove_run_events(session_id, run_id, using=using)
+        return ended
 
 
 def cancel_leased(run_id: Any, *, using: str = DEFAULT_DB_ALIAS) -> bool:
@@ -1094,7 +1194,7 @@ def resume(run_id: Any, resolution: dict[str, Any], *, using: str = DEFAULT_DB_A
             Run.objects.using(using)
             .select_for_update()
             .filter(pk=run_id, status=RunStatus.SUSPENDED)
-            .values("interaction")
+            .values("interaction", "owner_id", "admission_slot", "parent_id")
             .first()
         )
         if run is None:
@@ -1107,6 +1207,7 @@ def resume(run_id: Any, resolution: dict[str, Any], *, using: str = DEFAULT_DB_A
             == 1
         )
         if resumed:
+            pending.put_back(pending.root_runs([run]), using=using)
             wakeups.notify("run", using=using)
         return resumed
 

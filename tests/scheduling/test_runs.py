@@ -11,7 +11,6 @@ from django.utils import timezone
 
 from agents import services
 from agents.models import ManagedAgentRecord
-from sageproject.dblocks import named_lock
 from sageproject.errors import ConflictError
 from scheduling import runs
 from scheduling.models import Event, Run, RunStatus, Session
@@ -25,9 +24,7 @@ LEASE = timedelta(seconds=30)
 
 
 def submit(owner, session: Session, text: str = "hi", **kw: Any) -> Run:
-    run, created = runs.admit(
-        owner=owner, session=session, input=text, lock=lambda: named_lock("t"), **kw
-    )
+    run, created = runs.admit(owner=owner, session_id=session.pk, input=text, **kw)
     assert created
     return run
 

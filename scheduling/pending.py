@@ -1,0 +1,230 @@
+"""Exact pending limits without a global lock: counters of queued runs.
+
+A run is *pending* while it is queued and has no parent (child runs of a flow are not
+admitted, so they are not counted). Two limits apply at admission:
+``SAGE_SERVER_MAX_PENDING_RUNS`` for the host and ``SAGE_SERVER_MAX_PENDING_RUNS_PER_USER``
+for each user. Counting queued rows at every admission would serialize every submission
+behind one lock (two concurrent counts both see room) and cost more as the queue grows, so
+the counts are kept in `PendingCount` rows instead, changed in the transaction of every
+transition into or out of the queue:
+
+- the host's count is split over `STRIPES` rows (``host.00`` … ``host.15``); a new run
+  takes a place in one stripe (chosen at random, stored in ``Run.admission_slot``) with one
+  conditional ``UPDATE … SET pending = pending + 1 WHERE pending < cap``. The stripes' caps
+  add up to the host limit, so the host never holds more than the limit; concurrent
+  admissions of different stripes never wait for each other. Only when its stripe is full
+  does an admission read the others (`roomiest`) and start again in the one with the most
+  room — so a submission is refused only when every stripe is full, that is when the host
+  holds exactly its limit.
+- each user has one row (``user.<id>``), taken the same way: a user's admissions wait for
+  each other, never for other users'.
+
+Leaving the queue (claim, cancel) gives the places back; coming back to it (requeue after a
+lost worker, a resumed suspension) takes them again without a cap — those runs were
+admitted already. Rows are always locked host stripe first, then user: the one order every
+transaction follows, so counters never deadlock.
+
+Rows of queued runs can also disappear without a transition (a session deleted with its
+runs, an import): `reconcile` recounts from the runs themselves under the counters' locks;
+the worker's reaper calls it every `RECONCILE_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from django.conf import settings
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db.models import Count
+
+from scheduling.models import PendingCount, Run, RunStatus
+
+# Rows the host's count is split over: admissions of different stripes never wait for
+# each other. More stripes, less waiting, and a slower `reconcile`.
+STRIPES = 16
+RECONCILE_SECONDS = 60.0
+
+HOST = "host."
+USER = "user."
+
+
+def host_scope(slot: int) -> str:
+    return f"{HOST}{slot:02d}"
+
+
+def user_scope(owner_id: Any) -> str:
+    return f"{USER}{owner_id}"
+
+
+def stripe_cap(slot: int, limit: int) -> int:
+    """The share of ``limit`` stripe ``slot`` may hold: the caps add up to ``limit``."""
+    return limit // STRIPES + (1 if slot < limit % STRIPES else 0)
+
+
+def host_limit() -> int:
+    return settings.SAGE["SAGE_SERVER_MAX_PENDING_RUNS"]
+
+
+def user_limit() -> int:
+    return settings.SAGE["SAGE_SERVER_MAX_PENDING_RUNS_PER_USER"]
+
+
+class Full(Exception):
+    """The host (``per_user`` False) or the user is at its pending limit."""
+
+    def __init__(self, limit: int, *, per_user: bool) -> None:
+        super().__init__(limit, per_user)
+        self.limit = limit
+        self.per_user = per_user
+
+
+class Missing(Exception):
+    """Counter rows an admission needs do not exist yet: `create` them outside the
+    admission's transaction, then admit again. (Creating them inside it would let
+    concurrent admissions of a new user deadlock on MySQL: each waits on the others'
+    duplicate-key locks.)"""
+
+    def __init__(self, scopes: list[str]) -> None:
+        super().__init__(scopes)
+        self.scopes = scopes
+
+
+def _table() -> str:
+    return PendingCount._meta.db_table
+
+
+def _take(cursor: Any, quote: Any, scope: str, cap: int) -> bool:
+    cursor.execute(
+        f"UPDATE {quote(_table())} SET {quote('pending')} = {quote('pending')} + 1"
+        f" WHERE {quote('scope')} = %s AND {quote('pending')} < %s",
+        [scope, cap],
+    )
+    return cursor.rowcount == 1
+
+
+def create(scopes: Iterable[str], *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Create the counter rows ``scopes`` (at zero) that do not exist; best outside any
+    transaction (see `Missing`)."""
+    PendingCount.objects.using(using).bulk_create(
+        [PendingCount(scope=scope, pending=0) for scope in scopes], ignore_conflicts=True
+    )
+
+
+class StripeFull(Exception):
+    """The stripe an admission tried is full: admit again with `roomiest`'s stripe."""
+
+
+def take(owner_id: Any, slot: int | None = None, *, using: str = DEFAULT_DB_ALIAS) -> int:
+    """Take a pending place for a new run of ``owner_id`` inside the admission's
+    transaction: in host stripe ``slot`` (default: one at random), then in the user's
+    row; returns the stripe, the run's ``admission_slot``. Raises `StripeFull` when that
+    stripe is full, `Full` when the user is, and `Missing` when a counter row does not
+    exist yet; the caller's transaction then rolls back, giving back anything taken.
+
+    An admission never waits for a second host stripe while holding one (two admissions
+    doing so in opposite orders would deadlock): a full stripe ends the transaction, and
+    the admission starts again with the stripe `roomiest` names.
+    """
+    connection = connections[using]
+    quote = connection.ops.quote_name
+    slot = random.randrange(STRIPES) if slot is None else slot
+    with connection.cursor() as cursor:
+        if not _take(cursor, quote, host_scope(slot), stripe_cap(slot, host_limit())):
+            raise StripeFull(slot)
+        if not _take(cursor, quote, user_scope(owner_id), user_limit()):
+            if not PendingCount.objects.using(using).filter(scope=user_scope(owner_id)).exists():
+                raise Missing([user_scope(owner_id)])
+            raise Full(user_limit(), per_user=True)
+    return slot
+
+
+def roomiest(owner_id: Any, *, using: str = DEFAULT_DB_ALIAS) -> int:
+    """The host stripe with the most room, read without a lock; raises `Full` when none
+    has any — when the host holds its whole limit — and `Missing` for absent rows."""
+    limit = host_limit()
+    counts = dict(
+        PendingCount.objects.using(using)
+        .filter(scope__startswith=HOST)
+        .values_list("scope", "pending")
+    )
+    if len(counts) < STRIPES:
+        # An emptied table: the user's row is likely gone too.
+        hosts = [host_scope(s) for s in range(STRIPES) if host_scope(s) not in counts]
+        raise Missing([*hosts, user_scope(owner_id)])
+    room, slot = max((stripe_cap(s, limit) - counts[host_scope(s)], s) for s in range(STRIPES))
+    if room <= 0:
+        raise Full(limit, per_user=False)
+    return slot
+
+
+def give_back(runs: Iterable[tuple[Any, int]], *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Runs that left the queue: ``(owner_id, admission_slot)`` of each root run."""
+    _add(runs, -1, using)
+
+
+def put_back(runs: Iterable[tuple[Any, int]], *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Runs that came back to the queue (admitted before): their places again, no cap."""
+    _add(runs, 1, using)
+
+
+def _add(runs: Iterable[tuple[Any, int]], sign: int, using: str) -> None:
+    hosts: Counter[str] = Counter()
+    users: Counter[str] = Counter()
+    for owner_id, slot in runs:
+        hosts[host_scope(slot)] += sign
+        users[user_scope(owner_id)] += sign
+    if not hosts:
+        return
+    connection = connections[using]
+    quote = connection.ops.quote_name
+    with connection.cursor() as cursor:
+        # Host stripes first, then users, each in key order: the order every writer of
+        # these rows follows.
+        for deltas in (hosts, users):
+            scopes = sorted(deltas)
+            case = " ".join(f"WHEN %s THEN {int(deltas[s])}" for s in scopes)
+            cursor.execute(
+                f"UPDATE {quote(_table())} SET {quote('pending')} = {quote('pending')}"
+                f" + CASE {quote('scope')} {case} ELSE 0 END"
+                f" WHERE {quote('scope')} IN ({', '.join(['%s'] * len(scopes))})",
+                [*scopes, *scopes],
+            )
+
+
+def root_runs(rows: Iterable[dict[str, Any]]) -> list[tuple[Any, int]]:
+    """``(owner_id, admission_slot)`` of the root runs among run rows (dicts)."""
+    return [(r["owner_id"], r["admission_slot"]) for r in rows if r.get("parent_id") is None]
+
+
+def reconcile(*, using: str = DEFAULT_DB_ALIAS) -> int:
+    """Set every counter to the queued root runs it counts, under the counters' locks (in
+    their one order; admissions wait a moment); returns how many counters were wrong."""
+    with transaction.atomic(using=using):
+        create((host_scope(s) for s in range(STRIPES)), using=using)
+        rows = PendingCount.objects.using(using).order_by("scope")
+        if connections[using].features.has_select_for_update:
+            rows = rows.select_for_update()
+        held = dict(rows.values_list("scope", "pending"))
+        queued = Run.objects.using(using).filter(status=RunStatus.QUEUED, parent__isnull=True)
+        truth: dict[str, int] = {scope: 0 for scope in held}
+        for slot, n in queued.values_list("admission_slot").annotate(n=Count("pk")).order_by():
+            truth[host_scope(slot)] = truth.get(host_scope(slot), 0) + n
+        for owner_id, n in queued.values_list("owner_id").annotate(n=Count("pk")).order_by():
+            truth[user_scope(owner_id)] = n
+        wrong = {scope: n for scope, n in truth.items() if held.get(scope) != n}
+        missing = [scope for scope in wrong if scope not in held]
+        create(missing, using=using)
+        for scope, n in wrong.items():
+            PendingCount.objects.using(using).filter(scope=scope).update(pending=n)
+        return len(wrong)
+
+
+def snapshot(*, using: str = DEFAULT_DB_ALIAS) -> dict[str, int]:
+    """The host's count and each user's (``{"host": n, "user.<id>": n, ...}``), for
+    operators and tests."""
+    counts = dict(PendingCount.objects.using(using).values_list("scope", "pending"))
+    host = sum(n for scope, n in counts.items() if scope.startswith(HOST))
+    return {"host": host, **{s: n for s, n in counts.items() if s.startswith(USER) and n}}
