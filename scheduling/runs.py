@@ -575,13 +575,13 @@ def claim(
         return [], []
 
     def attempt() -> tuple[list[Grant], list[str]]:
+        postgres = connection.vendor == "postgresql"
         with _claim_guard(connection), transaction.atomic(using=db):
-            if connection.vendor == "postgresql":
-                with connection.cursor() as cursor:
-                    cursor.execute(
-                        f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}"
-                    )
-            fence_row = _fence_row(db)
+            if postgres:
+                # The claim lock and this claim's range of fencing tokens in one statement.
+                first_token = _reserve_tokens(connection, limit)
+            else:
+                first_token = _fence_row(db).value + 1
             reaped = _reap_locked(db, clock, max_crashes) if reap else []
             running = {
                 owner: n
@@ -601,57 +601,30 @@ def claim(
             )
             grants: list[Grant] = []
             if picked:
-                locked = Run.objects.using(db).filter(
-                    pk__in=picked, status=RunStatus.QUEUED, ready=True
+                lease = _lease_returning if postgres else _lease
+                rows = lease(db, picked, first_token, worker_id, duration, clock)
+                # Their places in the pending counts are free again.
+                pending.give_back(
+                    [
+                        (row["owner_id"], row.pop("admission_slot"))
+                        for row in rows
+                        if row["parent_id"] is None
+                    ],
+                    using=db,
                 )
-                if connection.features.has_select_for_update_skip_locked:
-                    # A row another transaction is changing is skipped, never waited for.
-                    locked = locked.select_for_update(skip_locked=True)
-                granted = set(locked.values_list("pk", flat=True))
-                ordered = [pk for pk in picked if pk in granted]
-                tokens = {pk: fence_row.value + i for i, pk in enumerate(ordered, start=1)}
-                if tokens:
-                    Run.objects.using(db).filter(pk__in=ordered).update(
-                        status=RunStatus.RUNNING,
-                        lease_owner=worker_id,
-                        lease_token=Case(
-                            *(When(pk=pk, then=Value(token)) for pk, token in tokens.items()),
-                            output_field=BigIntegerField(),
-                        ),
-                        lease_expires_at=later_expr(duration, clock),
-                        attempts=F("attempts") + 1,
-                        started_at=Coalesce(F("started_at"), now_expr(clock)),
-                    )
-                    rows = {
-                        row["pk"]: row
-                        for row in Run.objects.using(db)
-                        .filter(pk__in=ordered)
-                        .values(
-                            *_ROW_FIELDS, *_CLAIMED_FIELDS, "lease_expires_at", "admission_slot"
+                for row in rows:
+                    expires = row.pop("lease_expires_at")
+                    grants.append(
+                        Grant(
+                            row=row,
+                            token=row.pop("lease_token"),
+                            expires_at=expires,
+                            granted_at=expires - duration,
                         )
-                    }
-                    # Their places in the pending counts are free again.
-                    pending.give_back(
-                        [
-                            (row["owner_id"], row.pop("admission_slot"))
-                            for row in rows.values()
-                            if row["parent_id"] is None
-                        ],
-                        using=db,
                     )
-                    for pk in ordered:
-                        row = rows[pk]
-                        expires = row.pop("lease_expires_at")
-                        grants.append(
-                            Grant(
-                                row=row,
-                                token=tokens[pk],
-                                expires_at=expires,
-                                granted_at=expires - duration,
-                            )
-                        )
+                if not postgres and grants:
                     FenceSequence.objects.using(db).filter(pk=1).update(
-                        value=fence_row.value + len(tokens)
+                        value=first_token - 1 + len(picked)
                     )
             if grants:
                 crash_point("claim.before_commit")
@@ -672,6 +645,107 @@ def claim(
     return grants, reaped
 
 
+def _reserve_tokens(connection: Any, count: int) -> int:
+    """PostgreSQL: lock the fence-sequence row (the claim lock) and take ``count`` fencing
+    tokens from it in one round trip, with the claim transaction's idle timeout; returns
+    the first. Unused tokens are skipped: tokens only have to increase."""
+    table = connection.ops.quote_name(FenceSequence._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS};"
+            f" UPDATE {table} SET value = value + {int(count)} WHERE id = 1 RETURNING value"
+        )
+        cursor.nextset()
+        row = cursor.fetchone()
+    if row is None:
+        raise _FenceRowMissing
+    return row[0] - count + 1
+
+
+def _lease(
+    db: str, picked: list[Any], first_token: int, worker_id: str, duration: Any, clock: Clock
+) -> list[dict[str, Any]]:
+    """Lease the picked runs still queued and ready (skipping rows another transaction
+    holds), token ``first_token + i`` for the i-th pick; returns their rows in pick order."""
+    locked = Run.objects.using(db).filter(pk__in=picked, status=RunStatus.QUEUED, ready=True)
+    if connections[db].features.has_select_for_update_skip_locked:
+        # A row another transaction is changing is skipped, never waited for.
+        locked = locked.select_for_update(skip_locked=True)
+    granted = set(locked.values_list("pk", flat=True))
+    tokens = {pk: first_token + i for i, pk in enumerate(picked) if pk in granted}
+    if not tokens:
+        return []
+    Run.objects.using(db).filter(pk__in=list(tokens)).update(
+        status=RunStatus.RUNNING,
+        lease_owner=worker_id,
+        lease_token=Case(
+            *(When(pk=pk, then=Value(token)) for pk, token in tokens.items()),
+            output_field=BigIntegerField(),
+        ),
+        lease_expires_at=later_expr(duration, clock),
+        attempts=F("attempts") + 1,
+        started_at=Coalesce(F("started_at"), now_expr(clock)),
+    )
+    rows = {
+        row["pk"]: row
+        for row in Run.objects.using(db).filter(pk__in=list(tokens)).values(*_LEASED_FIELDS)
+    }
+    return [rows[pk] for pk in picked if pk in rows]
+
+
+def _lease_returning(
+    db: str, picked: list[Any], first_token: int, worker_id: str, duration: Any, clock: Clock
+) -> list[dict[str, Any]]:
+    """`_lease` on PostgreSQL in one statement: ``UPDATE … FROM`` the sessions over the
+    picked rows locked with ``SKIP LOCKED``, ``RETURNING`` what the executor needs."""
+    connection = connections[db]
+    quote = connection.ops.quote_name
+    run_table, session_table = quote(Run._meta.db_table), quote(Session._meta.db_table)
+    if clock is not None:
+        now, now_params = "%s", [clock()]
+    else:
+        now, now_params = "STATEMENT_TIMESTAMP()", []
+    columns = [
+        *(f"r.{quote(Run._meta.get_field(f).column)}" for f in _RUN_RETURNED),
+        *(f"s.{quote(f)}" for f in _SESSION_RETURNED),
+    ]
+    sql = (
+        f"UPDATE {run_table} r SET status = %s, lease_owner = %s,"
+        f" lease_token = %s + array_position(%s::uuid[], r.id) - 1,"
+        f" lease_expires_at = {now} + %s, attempts = r.attempts + 1,"
+        f" started_at = COALESCE(r.started_at, {now})"
+        f" FROM {session_table} s"
+        f" WHERE r.id IN (SELECT id FROM {run_table} WHERE id = ANY(%s::uuid[])"
+        f" AND status = %s AND ready FOR UPDATE SKIP LOCKED) AND s.id = r.session_id"
+        f" RETURNING {', '.join(columns)}"
+    )
+    params = [
+        RunStatus.RUNNING,
+        worker_id,
+        first_token,
+        picked,
+        *now_params,
+        duration,
+        *now_params,
+        picked,
+        RunStatus.QUEUED,
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        fetched = cursor.fetchall()
+    json_fields = [(i, Run._meta.get_field(f)) for i, f in enumerate(_RUN_RETURNED)]
+    json_fields = [(i, f) for i, f in json_fields if f.get_internal_type() == "JSONField"]
+    keys = [*_RUN_KEYS, *(f"session__{f}" for f in _SESSION_RETURNED)]
+    rows = {}
+    for values in fetched:
+        values = list(values)
+        for i, field in json_fields:
+            values[i] = field.from_db_value(values[i], None, connection)
+        row = dict(zip(keys, values, strict=True))
+        rows[row["pk"]] = row
+    return [rows[pk] for pk in picked if pk in rows]
+
+
 # What a claim reads back besides the queue fields: what an executor needs to prepare the
 # run without another query.
 _CLAIMED_FIELDS = (
@@ -684,6 +758,45 @@ _CLAIMED_FIELDS = (
     "session__kind",
     "session__persisted_events",
 )
+_LEASED_FIELDS = (
+    *_ROW_FIELDS,
+    *_CLAIMED_FIELDS,
+    "lease_expires_at",
+    "lease_token",
+    "admission_slot",
+)
+# The same, as `_lease_returning` reads them: run fields (their keys), then session fields.
+_RUN_RETURNED = (
+    "id",
+    "owner",
+    "priority",
+    "available_at",
+    "attempts",
+    "queue",
+    "parent",
+    "session",
+    "input",
+    "interaction",
+    "lease_expires_at",
+    "lease_token",
+    "admission_slot",
+)
+_RUN_KEYS = (
+    "pk",
+    "owner_id",
+    "priority",
+    "available_at",
+    "attempts",
+    "queue",
+    "parent_id",
+    "session_id",
+    "input",
+    "interaction",
+    "lease_expires_at",
+    "lease_token",
+    "admission_slot",
+)
+_SESSION_RETURNED = ("package_ref", "package_name", "agent_id", "kind", "persisted_events")
 
 # At most this many users' queues are looked at per claim (those with the fewest running
 # runs first): the claim's cost depends on it, never on the number of queued runs.
@@ -783,7 +896,10 @@ def _heads(
                 f" AND {owner} = %s AND {quote('available_at')} <= {now_sql}{extra}"
                 f" ORDER BY {order_by} LIMIT %s) h{len(parts)}"
             )
-            params += [*base_params, o, *now_params, limit]
+            room = limit
+            if not extra and per_tenant is not None:
+                room = min(limit, max(per_tenant - running.get(o, 0), 0))
+            params += [*base_params, o, *now_params, room]
     if not parts:
         return []
     with connection.cursor() as cursor:
