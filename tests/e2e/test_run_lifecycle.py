@@ -121,7 +121,7 @@ def test_enqueue_is_the_default_and_waits_its_turn(alice, start_worker):
 def test_interrupt_and_rollback_stop_the_running_run_at_its_next_step(
     choice, alice, start_worker
 ):
-    _slow_package(alice, words=400, delay_ms=50)  # about 20 s if never interrupted
+    _slow_package(alice, words=160, delay_ms=50)  # about 8 s if never interrupted
     api = client_for(alice)
     session = _session(api)
     _, old = _submit(api, session, "go on for a while")
