@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connection, transaction
 
+from agents import services
 from scheduling import live, wakeups
+from scheduling.models import Event, Run, RunStatus
 from tests.conftest import require_service
+from tests.scheduling.processes import worker_processes_fixture
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -92,3 +96,75 @@ async def test_live_messages_reach_the_sessions_subscribers_only(transport):
         "seq": 3,
     }
     assert other.queue.empty()
+
+
+# ------------------------------------------------------------------ lost wake-ups (processes)
+
+worker_processes = worker_processes_fixture  # real runworker subprocesses
+
+STARTUP_AND_RUN = 120  # generous: a Django start-up per worker on a loaded machine
+
+
+def _completed_once(run_ids: list[Any]) -> bool:
+    done = Run.objects.filter(pk__in=run_ids, status=RunStatus.COMPLETED).count()
+    return done == len(run_ids)
+
+
+def _assert_completed_once(run_ids: list[Any]) -> None:
+    for run_id in run_ids:
+        ended = Event.objects.filter(run_id=run_id, type__in=["run.completed", "run.failed"])
+        assert list(ended.values_list("type", flat=True)) == ["run.completed"], run_id
+
+
+def test_runs_whose_wake_ups_reached_no_worker_are_found_after_a_restart(
+    alice, make_session, worker_processes
+):
+    """Wake-ups sent while the only worker is dead reach nobody: the fresh worker finds
+    those runs anyway (its first claim, then the fallback poll)."""
+    first = worker_processes.start("first")
+    warm = services.run_submit(owner=alice, session_id=make_session(alice).pk, input="hi")[0]
+    worker_processes.wait_for(
+        lambda: _completed_once([warm.pk]),
+        timeout=STARTUP_AND_RUN,
+        message="the first worker to complete a run",
+        running=(first,),
+    )
+    first.kill()  # its LISTEN connection (or socket) goes with it
+
+    lost = [
+        services.run_submit(owner=alice, session_id=make_session(alice).pk, input="hi")[0].pk
+        for _ in range(3)
+    ]
+    assert Run.objects.filter(pk__in=lost, status=RunStatus.QUEUED).count() == 3
+    fresh = worker_processes.start("fresh")
+    worker_processes.wait_for(
+        lambda: _completed_once(lost),
+        timeout=STARTUP_AND_RUN,
+        message="the fresh worker to complete the runs submitted while no worker listened",
+        running=(fresh,),
+    )
+    _assert_completed_once([warm.pk, *lost])
+
+
+def test_a_ready_run_nobody_announced_is_found_by_the_idle_workers_poll(
+    alice, make_session, worker_processes
+):
+    """A queued, ready run written without a wake-up (as a lost message leaves it) is
+    claimed by an idle worker's fallback poll."""
+    worker = worker_processes.start("idle")
+    warm = services.run_submit(owner=alice, session_id=make_session(alice).pk, input="hi")[0]
+    worker_processes.wait_for(
+        lambda: _completed_once([warm.pk]),
+        timeout=STARTUP_AND_RUN,
+        message="the worker to complete a run",
+        running=(worker,),
+    )
+    session = make_session(alice)
+    silent = Run.objects.create(session=session, owner=alice, input="hi", ready=True)
+    worker_processes.wait_for(
+        lambda: _completed_once([silent.pk]),
+        timeout=STARTUP_AND_RUN,
+        message="the idle worker's poll to find the unannounced run",
+        running=(worker,),
+    )
+    _assert_completed_once([warm.pk, silent.pk])
