@@ -110,6 +110,20 @@ def _completed_once(run_ids: list[Any]) -> bool:
     return done == len(run_ids)
 
 
+def _working_worker(worker_processes, name: str, owner, make_session) -> tuple[Any, Any]:
+    """A started worker that has completed one run (so it is up and listening), and that
+    run's id."""
+    worker = worker_processes.start(name)
+    warm = services.run_submit(owner=owner, session_id=make_session(owner).pk, input="hi")[0]
+    worker_processes.wait_for(
+        lambda: _completed_once([warm.pk]),
+        timeout=STARTUP_AND_RUN,
+        message=f"worker {name} to complete a run",
+        running=(worker,),
+    )
+    return worker, warm.pk
+
+
 def _assert_completed_once(run_ids: list[Any]) -> None:
     for run_id in run_ids:
         ended = Event.objects.filter(run_id=run_id, type__in=["run.completed", "run.failed"])
@@ -121,14 +135,7 @@ def test_runs_whose_wake_ups_reached_no_worker_are_found_after_a_restart(
 ):
     """Wake-ups sent while the only worker is dead reach nobody: the fresh worker finds
     those runs anyway (its first claim, then the fallback poll)."""
-    first = worker_processes.start("first")
-    warm = services.run_submit(owner=alice, session_id=make_session(alice).pk, input="hi")[0]
-    worker_processes.wait_for(
-        lambda: _completed_once([warm.pk]),
-        timeout=STARTUP_AND_RUN,
-        message="the first worker to complete a run",
-        running=(first,),
-    )
+    first, warm = _working_worker(worker_processes, "first", alice, make_session)
     first.kill()  # its LISTEN connection (or socket) goes with it
 
     lost = [
@@ -143,7 +150,7 @@ def test_runs_whose_wake_ups_reached_no_worker_are_found_after_a_restart(
         message="the fresh worker to complete the runs submitted while no worker listened",
         running=(fresh,),
     )
-    _assert_completed_once([warm.pk, *lost])
+    _assert_completed_once([warm, *lost])
 
 
 def test_a_ready_run_nobody_announced_is_found_by_the_idle_workers_poll(
@@ -151,14 +158,7 @@ def test_a_ready_run_nobody_announced_is_found_by_the_idle_workers_poll(
 ):
     """A queued, ready run written without a wake-up (as a lost message leaves it) is
     claimed by an idle worker's fallback poll."""
-    worker = worker_processes.start("idle")
-    warm = services.run_submit(owner=alice, session_id=make_session(alice).pk, input="hi")[0]
-    worker_processes.wait_for(
-        lambda: _completed_once([warm.pk]),
-        timeout=STARTUP_AND_RUN,
-        message="the worker to complete a run",
-        running=(worker,),
-    )
+    worker, warm = _working_worker(worker_processes, "idle", alice, make_session)
     session = make_session(alice)
     silent = Run.objects.create(session=session, owner=alice, input="hi", ready=True)
     worker_processes.wait_for(
@@ -167,4 +167,4 @@ def test_a_ready_run_nobody_announced_is_found_by_the_idle_workers_poll(
         message="the idle worker's poll to find the unannounced run",
         running=(worker,),
     )
-    _assert_completed_once([warm.pk, silent.pk])
+    _assert_completed_once([warm, silent.pk])
