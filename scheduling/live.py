@@ -31,7 +31,7 @@ import orjson
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS
 
-from scheduling.wakeups import backend, listen, pg_params
+from scheduling.wakeups import backend, keep_listening, pg_params
 
 logger = logging.getLogger("sage.live")
 
@@ -238,6 +238,7 @@ class LiveHub:
         self.subscribers: dict[str, set[Subscription]] = {}
         self.received = 0
         self.dropped = 0
+        self.reconnects = 0
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
 
@@ -274,22 +275,21 @@ class LiveHub:
                 subscription.offer(message)
 
     async def _run(self) -> None:
-        path = live_dir() / f"web-{os.getpid()}-{id(self):x}.sock"
-        try:
-            await listen(
-                self.kind,
-                pg_channel=CHANNEL,
-                redis_channel=REDIS_CHANNEL,
-                socket_path=path,
-                deliver=self._deliver,
-                ready=self._ready.set,
-                using=self.using,
-            )
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # streams fall back to polling the durable events
-            logger.warning("live channel (%s) unavailable: %s", self.kind, exc)
-            self._ready.set()
+        # Streams read the durable events meanwhile; deltas resume once it listens again.
+        await keep_listening(
+            self.kind,
+            pg_channel=CHANNEL,
+            redis_channel=REDIS_CHANNEL,
+            socket_path=live_dir() / f"web-{os.getpid()}-{id(self):x}.sock",
+            deliver=self._deliver,
+            ready=self._ready.set,
+            using=self.using,
+            on_drop=self._dropped,
+        )
+
+    def _dropped(self, exc: Exception) -> None:
+        self.reconnects += 1
+        logger.warning("live channel (%s) dropped: %s; reconnecting", self.kind, exc)
 
 
 _hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LiveHub] = weakref.WeakKeyDictionary()

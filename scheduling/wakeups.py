@@ -191,6 +191,31 @@ async def listen(
         _remove(socket_path)
 
 
+async def keep_listening(
+    kind: str,
+    *,
+    on_drop: Callable[[Exception], None],
+    ready: Callable[[], None],
+    **channel: Any,
+) -> None:
+    """`listen` until cancelled, listening again (backoff 0.2 s → 5 s) whenever the channel
+    drops — a database or Redis restart, a lost connection; ``on_drop(exc)`` is told each
+    time. ``ready`` is called once listening (or once the first attempt failed)."""
+    delay = RECONNECT_START
+    while True:
+        try:
+            await listen(kind, ready=ready, **channel)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            ready()
+            on_drop(exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECONNECT_MAX)
+        else:
+            delay = RECONNECT_START
+
+
 def _fresh_socket_path(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove(path)
@@ -239,29 +264,20 @@ class Listener:
             logger.exception("wake-up handler failed for %r", message)
 
     async def _run(self) -> None:
-        delay = RECONNECT_START
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.worker_id)
-        path = socket_dir() / f"{safe}-{os.getpid()}.sock"
-        while True:
-            try:
-                await listen(
-                    self.kind,
-                    pg_channel=CHANNEL,
-                    redis_channel=REDIS_CHANNEL,
-                    socket_path=path,
-                    deliver=self._deliver,
-                    ready=self._ready.set,
-                    using=self.using,
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._ready.set()
-                self.reconnects += 1
-                logger.warning("wake-up channel (%s) dropped: %s; reconnecting", self.kind, exc)
-                # Whatever was sent meanwhile is found by polling; say so to the worker.
-                self._deliver("run")
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RECONNECT_MAX)
-            else:
-                delay = RECONNECT_START
+        await keep_listening(
+            self.kind,
+            pg_channel=CHANNEL,
+            redis_channel=REDIS_CHANNEL,
+            socket_path=socket_dir() / f"{safe}-{os.getpid()}.sock",
+            deliver=self._deliver,
+            ready=self._ready.set,
+            using=self.using,
+            on_drop=self._dropped,
+        )
+
+    def _dropped(self, exc: Exception) -> None:
+        self.reconnects += 1
+        logger.warning("wake-up channel (%s) dropped: %s; reconnecting", self.kind, exc)
+        # Whatever was sent meanwhile is found by polling; say so to the worker.
+        self._deliver("run")

@@ -98,6 +98,41 @@ async def test_live_messages_reach_the_sessions_subscribers_only(transport):
     assert other.queue.empty()
 
 
+async def test_a_live_hub_listens_again_after_its_channel_drops(transport, monkeypatch):
+    """A web process's live channel that drops (a database or Redis restart) is listened to
+    again: its stream clients get deltas again without reconnecting."""
+    real_listen = wakeups.listen
+    attempts = 0
+    listening = asyncio.Event()
+
+    async def drops_once(kind: str, *, ready: Any, **channel: Any) -> None:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            raise OSError("connection lost")
+
+        def now_listening() -> None:
+            ready()
+            listening.set()
+
+        await real_listen(kind, ready=now_listening, **channel)
+
+    monkeypatch.setattr(wakeups, "listen", drops_once)
+    publisher = live.LivePublisher()
+    await publisher.start()
+    hub = live.LiveHub()
+    subscription = await hub.subscribe("session-a")
+    try:
+        await asyncio.wait_for(listening.wait(), 10)
+        publisher.publish({"session": "session-a", "type": "committed", "seq": 1})
+        message = await subscription.get(10)
+    finally:
+        await subscription.close()
+        await publisher.close()
+    assert message is not None and message["seq"] == 1
+    assert (attempts, hub.reconnects) == (2, 1)
+
+
 # ------------------------------------------------------------------ lost wake-ups (processes)
 
 worker_processes = worker_processes_fixture  # real runworker subprocesses
