@@ -26,7 +26,6 @@ from typing import Any
 
 import orjson
 from django.conf import settings
-from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -45,7 +44,7 @@ from agents.engine import (
 from agents.flows import models_to_initialise, reachable_agents, reachable_nodes, run_flow
 from agents.jobs.glue import JobEventRecorder, build_job_runtime, poll_cancel_requests
 from agents.jobs.tools import JOB_TOOLS
-from agents.models import AgentPackage, ManagedAgentRecord, ReclamationRequest, ReclamationStatus
+from agents.models import AgentPackage, ReclamationRequest, ReclamationStatus
 from agents.packages import package_manifest
 from agents.service import (
     ARCHIVE_BATCH,
@@ -54,7 +53,6 @@ from agents.service import (
     ApplicationKey,
     PreparedAgent,
 )
-from agents.services import archive_terminal
 from agents.tools import ToolContext, ToolRegistry, build_registry
 from pooling import providers
 from pooling.budget import ModelConcurrencyBudget
@@ -64,7 +62,7 @@ from pooling.providers import load_adapter
 from pooling.providers.base import ModelRequest, TextDelta
 from sageproject.db import db_call
 from sageproject.errors import ErrorCategory, NotFoundError, SageError
-from scheduling import live
+from scheduling import live, runs
 from scheduling.dispatcher import StopSignal, retry_transient
 from scheduling.leases import FenceRejected
 from scheduling.models import (
@@ -273,18 +271,13 @@ def flow_outputs_from_events(run_id: Any) -> dict[str, Any] | None:
 
 
 def _archive_batch(query, batch: int) -> int:
-    runs = list(
+    run_ids = list(
         Run.objects.filter(query, status__in=TERMINAL_STATUSES, archive__isnull=True)
-        .select_related("session")
-        .order_by("created_at")[:batch]
+        .order_by("created_at")
+        .values_list("pk", flat=True)[:batch]
     )
-    for run in runs:
-        with transaction.atomic():
-            record = archive_terminal(run)
-            outputs = flow_outputs_from_events(run.pk)
-            if outputs is not None and record.flow_outputs is None:
-                ManagedAgentRecord.objects.filter(pk=record.pk).update(flow_outputs=outputs)
-    return len(runs)
+    runs.archive(run_ids, flow_outputs={pk: flow_outputs_from_events(pk) for pk in run_ids})
+    return len(run_ids)
 
 
 def archive_unarchived_sync(key: ApplicationKey, batch: int = ARCHIVE_BATCH) -> int:

@@ -165,23 +165,8 @@ def archive_records(records: list[ArchiveRecord], using: str = "default") -> Non
 
 
 def archive_terminal(run: Run, flow_outputs: dict[str, Any] | None = None) -> ManagedAgentRecord:
-    """Write (or refresh) the terminal archive of one finished run."""
-    session = run.session
-    archive_records(
-        [
-            ArchiveRecord(
-                run_id=run.pk,
-                owner_id=run.owner_id,
-                package_ref=session.package_ref,
-                package_name=session.package_name,
-                agent_id=session.agent_id,
-                status=run.status,
-                result=run.result,
-                error=run.error,
-                flow_outputs=flow_outputs,
-            )
-        ]
-    )
+    """Write (or refresh) the terminal archive of one finished run (from its row)."""
+    runs.archive([run.pk], flow_outputs={run.pk: flow_outputs})
     return ManagedAgentRecord.objects.get(run_id=run.pk)
 
 

@@ -218,13 +218,25 @@ def _archive_records(
     return records
 
 
-def _archive(run_id: Any, using: str, flow_outputs: dict[str, Any] | None = None) -> None:
-    if _archiver is None:
+def archive(
+    run_ids: list[Any],
+    *,
+    flow_outputs: dict[Any, dict[str, Any] | None] | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> None:
+    """Write (or refresh) the archive rows of terminal runs from their rows, with their
+    flow outputs (``{run_id: outputs}``, where known), in one query and one upsert."""
+    if _archiver is None or not run_ids:
         return
-    records = _archive_records([run_id], {}, using)
-    if flow_outputs is not None:
-        records = [replace(r, flow_outputs=flow_outputs) for r in records]
+    records = _archive_records(run_ids, {}, using)
+    if flow_outputs:
+        outputs = {str(run_id): value for run_id, value in flow_outputs.items()}
+        records = [replace(r, flow_outputs=outputs.get(str(r.run_id))) for r in records]
     _archiver(records, using)
+
+
+def _archive(run_id: Any, using: str, flow_outputs: dict[str, Any] | None = None) -> None:
+    archive([run_id], flow_outputs={run_id: flow_outputs}, using=using)
 
 
 # ------------------------------------------------------------------------------ clocks
