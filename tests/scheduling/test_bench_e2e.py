@@ -10,14 +10,14 @@ from __future__ import annotations
 from io import StringIO
 from typing import Any
 
-import orjson
 import pytest
-from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.db import connection
 
 from pooling.models import ModelRecord
-from scheduling.models import Event, Run, Session, WorkerSnapshot
+from scheduling.models import WorkerSnapshot
+from tests.scheduling.test_benchmarks import assert_nothing_left as assert_no_bench_rows
+from tests.scheduling.test_benchmarks import run_command
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -114,18 +114,11 @@ TINY = [
 
 
 def run_bench(*args: str) -> list[dict[str, Any]]:
-    out = StringIO()
-    call_command("bench_e2e", *TINY, *args, stdout=out, stderr=StringIO())
-    lines = [line for line in out.getvalue().splitlines() if line.strip()]
-    assert lines, "bench_e2e printed nothing"
-    return [orjson.loads(line) for line in lines]
+    return run_command("bench_e2e", *TINY, *args)
 
 
 def assert_nothing_left() -> None:
-    assert not get_user_model().objects.filter(username__startswith="bench-").exists()
-    assert Run.objects.count() == 0
-    assert Session.objects.count() == 0
-    assert Event.objects.count() == 0
+    assert_no_bench_rows()
     assert WorkerSnapshot.objects.count() == 0
     assert not ModelRecord.objects.filter(name="scripted").exists()
 
