@@ -73,6 +73,17 @@ RUN_TIMEOUT = 90
 # ------------------------------------------------------------------------------ helpers
 
 
+def _a_fresh_worker_finishes(
+    worker_processes: WorkerProcesses, done: Any, *, message: str, **env: str
+) -> None:
+    """Start a worker named ``fresh``, wait until ``done()`` holds, and stop it cleanly."""
+    fresh = worker_processes.start("fresh", **env)
+    worker_processes.wait_for(
+        done, timeout=STARTUP_TIMEOUT + RUN_TIMEOUT, message=message, running=(fresh,)
+    )
+    assert fresh.terminate() == 0, fresh.tail()
+
+
 def _gpt_package(user, upstream: UpstreamServer, name: str = "faults") -> None:
     """A package whose agent's model is the loopback upstream (OpenAI protocol)."""
     if not ModelRecord.objects.filter(owner=None, name="gpt").exists():
@@ -370,14 +381,12 @@ def test_a_run_whose_workers_keep_dying_fails_once_when_its_crash_budget_is_used
         left = now
     assert len(upstream.requests) == 2
 
-    fresh = worker_processes.start("fresh", **budget)
-    worker_processes.wait_for(
+    _a_fresh_worker_finishes(
+        worker_processes,
         lambda: _is_terminal(run.pk),
-        timeout=STARTUP_TIMEOUT + RUN_TIMEOUT,
         message="the fresh worker to reap the run whose crash budget is used up",
-        running=(fresh,),
+        **budget,
     )
-    assert fresh.terminate() == 0, fresh.tail()
 
     ended = assert_ended_once(run.pk, RunStatus.FAILED)
     assert ended.error["code"] == "execution.worker_restarted"
@@ -402,14 +411,11 @@ def test_a_run_cancelled_while_its_worker_is_dead_ends_cancelled_once(
     assert (asked.status, asked.cancel_requested) == (RunStatus.RUNNING, True)
     expire_leases(doomed)
 
-    fresh = worker_processes.start("fresh")
-    worker_processes.wait_for(
+    _a_fresh_worker_finishes(
+        worker_processes,
         lambda: _is_terminal(run.pk),
-        timeout=STARTUP_TIMEOUT + RUN_TIMEOUT,
         message="the fresh worker to end the cancelled run of the dead worker",
-        running=(fresh,),
     )
-    assert fresh.terminate() == 0, fresh.tail()
 
     ended = assert_ended_once(run.pk, RunStatus.CANCELLED)
     assert ended.error["code"] == "run.cancelled"
@@ -463,14 +469,11 @@ def test_a_worker_killed_while_suspending_a_run_ends_it_exactly_once(
         assert row.status == RunStatus.RUNNING
         assert "run.suspended" not in left, left
 
-    fresh = worker_processes.start("fresh")
-    worker_processes.wait_for(
+    _a_fresh_worker_finishes(
+        worker_processes,
         lambda: _is_terminal(first.pk) and _is_terminal(second.pk),
-        timeout=STARTUP_TIMEOUT + RUN_TIMEOUT,
         message=f"the fresh worker to finish both runs left at {point}",
-        running=(fresh,),
     )
-    assert fresh.terminate() == 0, fresh.tail()
 
     for run in (first, second):
         assert_ended_once(run.pk)
@@ -514,14 +517,11 @@ def test_a_worker_killed_between_a_tool_call_and_its_result(
     assert_events(run.pk, [*FIRST, "assistant", "tool.call.started"])
     expire_leases(doomed)
 
-    fresh = worker_processes.start("fresh")
-    worker_processes.wait_for(
+    _a_fresh_worker_finishes(
+        worker_processes,
         lambda: _is_terminal(run.pk),
-        timeout=STARTUP_TIMEOUT + RUN_TIMEOUT,
         message="the fresh worker to finish the run whose tool call was interrupted",
-        running=(fresh,),
     )
-    assert fresh.terminate() == 0, fresh.tail()
 
     ended = assert_ended_once(run.pk)
     assert ended.result["text"] == "It is 42."
