@@ -93,8 +93,9 @@ WSGI_APPLICATION = "sageproject.wsgi.application"
 ASGI_APPLICATION = "sageproject.asgi.application"
 
 DATABASES = {"default": SAGE_CONFIG.database}
-if os.environ.get("SAGE_TEST_DB_NAME"):
-    # The test runner names its databases so that parallel runs on one server don't collide.
+if os.environ.get("SAGE_TEST_DB_NAME") and "sqlite" not in DATABASES["default"]["ENGINE"]:
+    # The test runner names its databases so that parallel runs on one server don't collide
+    # (SQLite's test database is in memory: a name would make it a file here).
     DATABASES["default"].setdefault("TEST", {})["NAME"] = os.environ["SAGE_TEST_DB_NAME"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -96,12 +96,16 @@ def _table() -> str:
     return PendingCount._meta.db_table
 
 
-def _take(cursor: Any, quote: Any, scope: str, cap: int) -> bool:
-    cursor.execute(
+def _take_sql(quote: Any) -> str:
+    """One counter place, if the row has room (params: scope, cap)."""
+    return (
         f"UPDATE {quote(_table())} SET {quote('pending')} = {quote('pending')} + 1"
-        f" WHERE {quote('scope')} = %s AND {quote('pending')} < %s",
-        [scope, cap],
+        f" WHERE {quote('scope')} = %s AND {quote('pending')} < %s"
     )
+
+
+def _take(cursor: Any, quote: Any, scope: str, cap: int) -> bool:
+    cursor.execute(_take_sql(quote), [scope, cap])
     return cursor.rowcount == 1
 
 
@@ -130,15 +134,54 @@ def take(owner_id: Any, slot: int | None = None, *, using: str = DEFAULT_DB_ALIA
     """
     connection = connections[using]
     quote = connection.ops.quote_name
-    slot = random.randrange(STRIPES) if slot is None else slot
+    slot = pick(slot)
     with connection.cursor() as cursor:
-        if not _take(cursor, quote, host_scope(slot), stripe_cap(slot, host_limit())):
-            raise StripeFull(slot)
-        if not _take(cursor, quote, user_scope(owner_id), user_limit()):
-            if not PendingCount.objects.using(using).filter(scope=user_scope(owner_id)).exists():
-                raise Missing([user_scope(owner_id)])
-            raise Full(user_limit(), per_user=True)
+        host = _take(cursor, quote, host_scope(slot), stripe_cap(slot, host_limit()))
+        user = host and _take(cursor, quote, user_scope(owner_id), user_limit())
+        user_row = user or (
+            host and PendingCount.objects.using(using).filter(scope=user_scope(owner_id)).exists()
+        )
+    taken(owner_id, slot, host=host, user=user, user_row=user_row)
     return slot
+
+
+def pick(slot: int | None) -> int:
+    """The host stripe an admission tries first: ``slot``, or one at random."""
+    return random.randrange(STRIPES) if slot is None else slot
+
+
+def take_ctes(quote: Any, owner_id: Any, slot: int, guard: str) -> tuple[str, list[Any]]:
+    """`take` as two common table expressions of the admission's statement (PostgreSQL):
+    ``host_place`` takes a place in stripe ``slot`` when the SQL condition ``guard``
+    holds, ``user_place`` one in the user's row when the host's was taken; each returns a
+    row when it took its place. Give what they returned to `taken`."""
+    sql = (
+        f"host_place AS ({_take_sql(quote)} AND ({guard}) RETURNING 1),"
+        f" user_place AS ({_take_sql(quote)} AND EXISTS (SELECT 1 FROM host_place) RETURNING 1)"
+    )
+    return sql, [
+        host_scope(slot),
+        stripe_cap(slot, host_limit()),
+        user_scope(owner_id),
+        user_limit(),
+    ]
+
+
+def user_row_sql(quote: Any) -> str:
+    """Whether the user's counter row exists (param: `user_scope`)."""
+    return f"EXISTS (SELECT 1 FROM {quote(_table())} WHERE {quote('scope')} = %s)"
+
+
+def taken(owner_id: Any, slot: int, *, host: bool, user: bool, user_row: bool) -> None:
+    """Raise what an admission that took (or did not take) its places must: `StripeFull`
+    when stripe ``slot`` had no room, `Missing` when the user has no counter row, `Full`
+    when the user is at the limit."""
+    if not host:
+        raise StripeFull(slot)
+    if not user:
+        if not user_row:
+            raise Missing([user_scope(owner_id)])
+        raise Full(user_limit(), per_user=True)
 
 
 def roomiest(owner_id: Any, *, using: str = DEFAULT_DB_ALIAS) -> int:
@@ -192,6 +235,33 @@ def _add(runs: Iterable[tuple[Any, int]], sign: int, using: str) -> None:
                 f" WHERE {quote('scope')} IN ({', '.join(['%s'] * len(scopes))})",
                 [*scopes, *scopes],
             )
+
+
+def give_back_ctes(quote: Any, source: str) -> str:
+    """`give_back` as two common table expressions of a claim's statement (PostgreSQL):
+    the places of the root runs the CTE ``source`` returns (its columns ``owner_id``,
+    ``admission_slot`` and ``parent_id``), host stripes first, then users (the users' update
+    waits for the stripes' by reading it)."""
+    table, pending_ = quote(_table()), quote("pending")
+
+    def back(name: str, scope_sql: str, after: str) -> str:
+        return (
+            f"{name} AS (UPDATE {table} p SET {pending_} = p.{pending_} - d.n"
+            f" FROM (SELECT {scope_sql} AS scope, COUNT(*) AS n FROM {source}"
+            f" WHERE parent_id IS NULL GROUP BY 1) d"
+            f" WHERE p.{quote('scope')} = d.scope{after} RETURNING 1)"
+        )
+
+    return ", ".join(
+        (
+            back("host_back", f"'{HOST}' || LPAD(admission_slot::text, 2, '0')", ""),
+            back(
+                "user_back",
+                f"'{USER}' || owner_id::text",
+                " AND (SELECT COUNT(*) FROM host_back) >= 0",
+            ),
+        )
+    )
 
 
 def root_runs(rows: Iterable[dict[str, Any]]) -> list[tuple[Any, int]]:

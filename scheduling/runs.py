@@ -41,6 +41,7 @@ session's durable prefix, so the two never interleave sequence numbers.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -58,12 +59,9 @@ from django.db import (
 from django.db.models import (
     BigIntegerField,
     Case,
-    Count,
     DateTimeField,
-    Exists,
     ExpressionWrapper,
     F,
-    OuterRef,
     Q,
     Value,
     When,
@@ -478,49 +476,46 @@ def _admit(
     using: str,
 ) -> tuple[Run, bool]:
     runs = Run.objects.using(using)
+    run = Run(
+        session_id=session_id,
+        owner_id=owner_id,
+        input=input,
+        idempotency_key=idempotency_key or None,
+        queue=queue,
+        priority=priority,
+        admission_slot=pending.pick(slot),
+    )
     with transaction.atomic(using=using):
         if idempotency_key:
             existing = runs.filter(owner_id=owner_id, idempotency_key=idempotency_key).first()
             if existing is not None:
                 return existing, False
+        if _admits_in_one_statement(using, run, multitask):
+            return _admit_pipelined(run, multitask, using), True
         # The session row's lock orders this admission against the session's finishing
-        # run (which promotes the next one under the same lock); whether the session has
-        # an unfinished run comes back in the same statement.
-        unfinished = runs.filter(session_id=OuterRef("pk"), status__in=UNFINISHED_STATUSES)
-        locked = (
-            Session.objects.using(using)
-            .filter(pk=session_id, owner_id=owner_id)
-            .annotate(busy=Exists(unfinished))
-        )
+        # run (which hands the session's turn on under the same lock).
+        locked = Session.objects.using(using).filter(pk=session_id, owner_id=owner_id)
         features = connections[using].features
         if features.has_select_for_update:
-            locked = locked.select_for_update(
-                of=("self",) if features.has_select_for_update_of else ()
-            )
-        row = locked.values_list("pk", "busy").first()
-        if row is None:
+            locked = locked.select_for_update()
+        if locked.values_list("pk").first() is None:
             raise NotFoundError("session.not_found", "session not found")
-        busy = row[1]
+        # Read after the lock, in a statement of its own: read in the locking statement, it
+        # would come from before the wait (PostgreSQL), and a finish committed during the
+        # wait would leave this run waiting for a turn that was already handed out.
+        unfinished = runs.filter(session_id=session_id, status__in=UNFINISHED_STATUSES)
+        busy = unfinished.exists()
         if busy and multitask is Multitask.REJECT:
             raise session_busy_error()
         if busy and multitask in (Multitask.INTERRUPT, Multitask.ROLLBACK):
-            stopping = runs.filter(session_id=session_id, status__in=UNFINISHED_STATUSES)
-            for run_id in list(stopping.values_list("pk", flat=True)):
+            for run_id in list(unfinished.values_list("pk", flat=True)):
                 _stop(run_id, StopRequest(multitask.value), using=using)
-            busy = stopping.exists()
-        run = Run(
-            session_id=session_id,
-            owner_id=owner_id,
-            input=input,
-            idempotency_key=idempotency_key or None,
-            queue=queue,
-            priority=priority,
-            ready=not busy,
-        )
+            busy = unfinished.exists()
+        run.ready = not busy
         try:
             # A savepoint only where a concurrent twin can make the insert fail.
             with transaction.atomic(using=using, savepoint=bool(idempotency_key)):
-                run.admission_slot = pending.take(owner_id, slot, using=using)
+                pending.take(owner_id, run.admission_slot, using=using)
                 run.save(force_insert=True, using=using)
         except IntegrityError:
             if not idempotency_key:
@@ -530,6 +525,95 @@ def _admit(
         if run.ready:
             wakeups.notify("run", using=using)
     return run, True
+
+
+def _admits_in_one_statement(using: str, run: Run, multitask: Multitask) -> bool:
+    """Whether `_admit_pipelined` can admit ``run``: on PostgreSQL (with libpq's pipeline
+    mode), without an idempotency key (whose twin needs a savepoint) and without runs to
+    stop first."""
+    connection = connections[using]
+    return (
+        connection.vendor == "postgresql"
+        and run.idempotency_key is None
+        and multitask in (Multitask.ENQUEUE, Multitask.REJECT)
+        and _pipeline_supported()
+    )
+
+
+@functools.cache
+def _pipeline_supported() -> bool:
+    import psycopg
+
+    return psycopg.Pipeline.is_supported()
+
+
+def _admit_pipelined(run: Run, multitask: Multitask, using: str) -> Run:
+    """`_admit` on PostgreSQL in one round trip (then the commit): the session row's lock,
+    and one statement that reads whether the session is busy, takes the pending places
+    (`pending.take_ctes`), inserts the run and notifies the workers — sent together in
+    libpq's pipeline mode. The second statement starts after the lock is held, so what it
+    reads is from after any wait for it."""
+    connection = connections[using]
+    quote = connection.ops.quote_name
+    run_table, session_table = quote(Run._meta.db_table), quote(Session._meta.db_table)
+    statuses = list(UNFINISHED_STATUSES)
+    reject = multitask is Multitask.REJECT
+    places, place_params = pending.take_ctes(
+        quote, run.owner_id, run.admission_slot, "SELECT found AND NOT (busy AND %s) FROM b"
+    )
+    columns, values, value_params = [], [], []
+    for field in Run._meta.concrete_fields:
+        columns.append(quote(field.column))
+        if field.name == "ready":
+            values.append("NOT (SELECT busy FROM b)")
+        else:
+            values.append("%s")
+            value_params.append(field.get_db_prep_save(field.pre_save(run, True), connection))
+    notify = wakeups.backend(using) == "postgresql"
+    sql = (
+        f"WITH b AS (SELECT EXISTS (SELECT 1 FROM {run_table} WHERE session_id = %s"
+        f" AND status IN ({', '.join(['%s'] * len(statuses))})) AS busy,"
+        f" EXISTS (SELECT 1 FROM {session_table} WHERE id = %s AND owner_id = %s) AS found),"
+        f" {places},"
+        f" r AS (INSERT INTO {run_table} ({', '.join(columns)}) SELECT {', '.join(values)}"
+        f" WHERE EXISTS (SELECT 1 FROM user_place) RETURNING ready),"
+        f" n AS (SELECT pg_notify(%s, %s) FROM r WHERE ready AND %s)"
+        f" SELECT found, busy, EXISTS (SELECT 1 FROM host_place),"
+        f" EXISTS (SELECT 1 FROM user_place), (SELECT ready FROM r),"
+        f" (SELECT count(*) FROM n), {pending.user_row_sql(quote)} FROM b"
+    )
+    params = [
+        run.session_id,
+        *statuses,
+        run.session_id,
+        run.owner_id,
+        *place_params[:2],
+        reject,
+        *place_params[2:],
+        *value_params,
+        wakeups.CHANNEL,
+        "run",
+        notify,
+        pending.user_scope(run.owner_id),
+    ]
+    lock_sql = f"SELECT 1 FROM {session_table} WHERE id = %s AND owner_id = %s FOR UPDATE"
+    raw = connection.connection
+    with connection.wrap_database_errors, raw.pipeline():
+        raw.cursor().execute(lock_sql, [run.session_id, run.owner_id])
+        cursor = raw.cursor()
+        cursor.execute(sql, params)
+    found, busy, host, user, ready, _, user_row = cursor.fetchone()
+    if not found:
+        raise NotFoundError("session.not_found", "session not found")
+    if busy and reject:
+        raise session_busy_error()
+    pending.taken(run.owner_id, run.admission_slot, host=host, user=user, user_row=user_row)
+    run.ready = ready
+    run._state.adding = False
+    run._state.db = using
+    if ready and not notify:
+        wakeups.notify("run", using=using)
+    return run
 
 
 # ------------------------------------------------------------------------------ claim
@@ -589,22 +673,23 @@ def claim(
     def attempt() -> tuple[list[Grant], list[str]]:
         postgres = connection.vendor == "postgresql"
         with _claim_guard(connection), transaction.atomic(using=db):
-            if postgres:
-                # The claim lock and this claim's range of fencing tokens in one statement.
-                first_token = _reserve_tokens(connection, limit)
+            owners = None
+            if postgres and not reap and _pipeline_supported():
+                # The claim lock, the tokens and what picking needs in one round trip.
+                first_token, running, owners = _claim_reads(connection, limit, queue)
+                reaped = []
             else:
-                first_token = _fence_row(db).value + 1
-            reaped = _reap_locked(db, clock, max_crashes) if reap else []
-            running = {
-                owner: n
-                for owner, n in Run.objects.using(db)
-                .filter(status=RunStatus.RUNNING, parent__isnull=True)
-                .values_list("owner_id")
-                .annotate(n=Count("pk"))
-                .order_by()
-            }
+                if postgres:
+                    # The claim lock and this claim's range of fencing tokens together.
+                    first_token = _reserve_tokens(connection, limit)
+                else:
+                    first_token = _fence_row(db).value + 1
+                reaped = _reap_locked(db, clock, max_crashes) if reap else []
+                with connection.cursor() as cursor:
+                    cursor.execute(_running_query(connection))
+                    running = dict(cursor.fetchall())
             picked = _pick(
-                _heads(db, queue, clock, running, per_tenant, max_active, limit),
+                _heads(db, queue, clock, running, per_tenant, max_active, limit, owners),
                 running,
                 order=order,
                 limit=limit,
@@ -613,18 +698,14 @@ def claim(
             )
             grants: list[Grant] = []
             if picked:
-                lease = _lease_returning if postgres else _lease
-                rows = lease(db, picked, first_token, worker_id, duration, clock)
-                # Their places in the pending counts are free again.
-                pending.give_back(
-                    [
-                        (row["owner_id"], row.pop("admission_slot"))
-                        for row in rows
-                        if row["parent_id"] is None
-                    ],
-                    using=db,
-                )
+                if postgres:
+                    # Their places in the pending counts are given back in the statement.
+                    rows = _lease_returning(db, picked, first_token, worker_id, duration, clock)
+                else:
+                    rows = _lease(db, picked, first_token, worker_id, duration, clock)
+                    pending.give_back(pending.root_runs(rows), using=db)
                 for row in rows:
+                    row.pop("admission_slot")
                     expires = row.pop("lease_expires_at")
                     grants.append(
                         Grant(
@@ -655,6 +736,37 @@ def claim(
     if grants:
         crash_point("claim.after_commit")
     return grants, reaped
+
+
+def _claim_reads(
+    connection: Any, count: int, queue: str | None
+) -> tuple[int, dict[Any, int], list[Any]]:
+    """PostgreSQL, in one round trip (libpq's pipeline mode): the claim transaction's idle
+    timeout, the claim lock with ``count`` fencing tokens (as `_reserve_tokens`), the
+    running runs per user and the users with ready queued runs — read after the lock is
+    held, as the statements run in order. Returns (first token, running, owners)."""
+    table = connection.ops.quote_name(FenceSequence._meta.db_table)
+    raw = connection.connection
+    with connection.wrap_database_errors, raw.pipeline():
+        raw.cursor().execute(
+            f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}"
+        )
+        tokens = raw.cursor()
+        tokens.execute(
+            f"UPDATE {table} SET value = value + {int(count)} WHERE id = 1 RETURNING value"
+        )
+        running = raw.cursor()
+        running.execute(_running_query(connection))
+        owners = raw.cursor()
+        owners.execute(*_owners_query(connection, queue))
+    row = tokens.fetchone()
+    if row is None:
+        raise _FenceRowMissing
+    return (
+        row[0] - count + 1,
+        dict(running.fetchall()),
+        [o for (o,) in owners.fetchall()],
+    )
 
 
 def _reserve_tokens(connection: Any, count: int) -> int:
@@ -722,14 +834,16 @@ def _lease_returning(
         *(f"s.{quote(f)}" for f in _SESSION_RETURNED),
     ]
     sql = (
-        f"UPDATE {run_table} r SET status = %s, lease_owner = %s,"
+        f"WITH leased AS (UPDATE {run_table} r SET status = %s, lease_owner = %s,"
         f" lease_token = %s + array_position(%s::uuid[], r.id) - 1,"
         f" lease_expires_at = {now} + %s, attempts = r.attempts + 1,"
         f" started_at = COALESCE(r.started_at, {now})"
         f" FROM {session_table} s"
         f" WHERE r.id IN (SELECT id FROM {run_table} WHERE id = ANY(%s::uuid[])"
         f" AND status = %s AND ready FOR UPDATE SKIP LOCKED) AND s.id = r.session_id"
-        f" RETURNING {', '.join(columns)}"
+        f" RETURNING {', '.join(columns)}),"
+        f" {pending.give_back_ctes(quote, 'leased')}"
+        f" SELECT * FROM leased"
     )
     params = [
         RunStatus.RUNNING,
@@ -832,6 +946,48 @@ def _now_sql(vendor: str) -> str:
     return "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"
 
 
+def _queued_where(connection: Any, queue: str | None, alias: str = "") -> tuple[str, list[Any]]:
+    """Ready queued runs not being cancelled (of ``queue``): SQL condition and params."""
+    quote = connection.ops.quote_name
+    clause = (
+        f"{alias}{quote('status')} = %s AND {alias}{quote('ready')} = %s"
+        f" AND {alias}{quote('cancel_requested')} = %s"
+    )
+    params: list[Any] = [RunStatus.QUEUED, True, False]
+    if queue is not None:
+        clause += f" AND {alias}{quote('queue')} = %s"
+        params.append(queue)
+    return clause, params
+
+
+def _owners_query(connection: Any, queue: str | None) -> tuple[str, list[Any]]:
+    """The users with ready queued runs, by a loose index scan: a recursive query that
+    seeks the next owner on the ``status, ready, owner, …`` index."""
+    quote = connection.ops.quote_name
+    table, owner = quote(Run._meta.db_table), quote("owner_id")
+    base, params = _queued_where(connection, queue)
+    inner, _ = _queued_where(connection, queue, "r.")
+    sql = (
+        f"WITH RECURSIVE owners (o) AS ("
+        f" SELECT MIN({owner}) FROM {table} WHERE {base}"
+        f" UNION ALL"
+        f" SELECT (SELECT MIN(r.{owner}) FROM {table} r WHERE {inner}"
+        f" AND r.{owner} > owners.o) FROM owners WHERE owners.o IS NOT NULL"
+        f") SELECT o FROM owners WHERE o IS NOT NULL"
+    )
+    return sql, params + params
+
+
+def _running_query(connection: Any) -> str:
+    """Running root runs per user: ``(owner_id, n)`` rows."""
+    quote = connection.ops.quote_name
+    return (
+        f"SELECT {quote('owner_id')}, COUNT(*) FROM {quote(Run._meta.db_table)}"
+        f" WHERE {quote('status')} = '{RunStatus.RUNNING}' AND {quote('parent_id')} IS NULL"
+        f" GROUP BY {quote('owner_id')}"
+    )
+
+
 def _heads(
     db: str,
     queue: str | None,
@@ -840,45 +996,28 @@ def _heads(
     per_tenant: int | None,
     max_active: int | None,
     limit: int,
+    owners: list[Any] | None = None,
 ) -> list[_Head]:
     """Each eligible user's best ready queued runs (up to ``limit`` each), best first.
 
     Two statements whose cost grows with the number of users that have queued runs, not
-    with the number of queued runs: the users come from a loose index scan (a recursive
-    query that seeks the next owner on the ``status, ready, owner, …`` index), then one
-    ``UNION ALL`` of per-user ``ORDER BY … LIMIT`` subqueries reads their heads.
+    with the number of queued runs: the users (`_owners_query`, unless given as
+    ``owners``), then one ``UNION ALL`` of per-user ``ORDER BY … LIMIT`` subqueries reads
+    their heads.
     """
     connection = connections[db]
     quote = connection.ops.quote_name
     table = quote(Run._meta.db_table)
-    status, ready, owner = quote("status"), quote("ready"), quote("owner_id")
-    cancel, queue_col = quote("cancel_requested"), quote("queue")
-
-    def where(alias: str = "") -> str:
-        clause = f"{alias}{status} = %s AND {alias}{ready} = %s AND {alias}{cancel} = %s"
-        if queue is not None:
-            clause += f" AND {alias}{queue_col} = %s"
-        return clause
-
-    base = where()
-    base_params: list[Any] = [RunStatus.QUEUED, True, False]
-    if queue is not None:
-        base_params.append(queue)
-    with connection.cursor() as cursor:
-        if connection.vendor == "mysql" and not connection.mysql_is_mariadb:
-            # MySQL 8 stops a recursive query after 1,000 rounds by default: one round per
-            # user with queued runs here. (MariaDB and PostgreSQL set no such limit.)
-            cursor.execute("SET SESSION cte_max_recursion_depth = 1000000")
-        cursor.execute(
-            f"WITH RECURSIVE owners (o) AS ("
-            f" SELECT MIN({owner}) FROM {table} WHERE {base}"
-            f" UNION ALL"
-            f" SELECT (SELECT MIN(r.{owner}) FROM {table} r WHERE {where('r.')}"
-            f" AND r.{owner} > owners.o) FROM owners WHERE owners.o IS NOT NULL"
-            f") SELECT o FROM owners WHERE o IS NOT NULL",
-            base_params + base_params,
-        )
-        owners = [row[0] for row in cursor.fetchall()]
+    owner = quote("owner_id")
+    base, base_params = _queued_where(connection, queue)
+    if owners is None:
+        with connection.cursor() as cursor:
+            if connection.vendor == "mysql" and not connection.mysql_is_mariadb:
+                # MySQL 8 stops a recursive query after 1,000 rounds by default: one round
+                # per user with queued runs here. (MariaDB and PostgreSQL set no such limit.)
+                cursor.execute("SET SESSION cte_max_recursion_depth = 1000000")
+            cursor.execute(*_owners_query(connection, queue))
+            owners = [row[0] for row in cursor.fetchall()]
     saturated_total = max_active is not None and sum(running.values()) >= max_active
     eligible = [
         o

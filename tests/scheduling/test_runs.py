@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import transaction
+from django.db import connections, transaction
+from django.db.models import F
 from django.utils import timezone
 
 from agents import services
@@ -103,6 +106,46 @@ def test_a_suspended_run_keeps_its_sessions_turn(alice, make_session):
     assert runs.resume(first.pk, {"interaction_id": "i1", "decision": "retry"})
     assert str(claim_one().run_id) == str(first.pk)
     assert Run.objects.get(pk=second.pk).ready is False
+
+
+@pytest.mark.parametrize("key", [None, "k1"], ids=["one-statement", "keyed"])
+def test_a_run_admitted_while_the_sessions_run_finishes_gets_its_turn(alice, make_session, key):
+    """The admission waits for the session row the finishing commit holds; whether the
+    session is busy is read after that wait, not from before it (else the new run would
+    wait for a turn the finish already handed out, and never run). Both ways of admitting
+    (PostgreSQL admits a run without an idempotency key in one statement)."""
+    session = make_session(alice)
+    submit(alice, session)
+    fence = claim_one()
+    locked, admitted = threading.Event(), {}
+
+    def finishing() -> None:
+        try:
+            with transaction.atomic():
+                # As the session store's commit: the session row is updated, then the run
+                # finishes (its turn handed to a waiting run, if any) in the same transaction.
+                Session.objects.filter(pk=session.pk).update(persisted_events=F("persisted_events"))
+                locked.set()
+                Finish(fence, RunStatus.COMPLETED, result={"text": "done"})("default")
+                time.sleep(0.5)  # the admission is now waiting for the session row
+        finally:
+            connections.close_all()
+
+    def admitting() -> None:
+        try:
+            locked.wait(5)
+            admitted["run"] = submit(alice, session, "next", idempotency_key=key)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=finishing), threading.Thread(target=admitting)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    run = Run.objects.get(pk=admitted["run"].pk)
+    assert run.ready is True
+    assert str(claim_one().run_id) == str(run.pk)
 
 
 # ------------------------------------------------------------------ multitask
