@@ -350,13 +350,15 @@ class _RunEvents:
     """The events of one execution, committed (fenced) in as few transactions as safety
     allows.
 
-    The start of the run (``run.started``, the user's message) is committed at once but
-    not waited for: the model is called meanwhile. A batch that starts tool calls or carries
+    The start of the run (``run.started``, the user's message) is not waited for: the
+    model is called meanwhile, and the start goes with the execution's first commit if
+    that comes within `START_COMMIT_DELAY` seconds (a one-step run then costs one commit),
+    else in a commit of its own at that moment. A batch that starts tool calls or carries
     their results is committed and waited for — a tool acts on the world only after its
     call is durable, and its result is durable before the model is called again — and for
-    flows every batch is. A final assistant message waits for the outcome's own commit, so
-    a one-step run costs two commits, the first one off its critical path. The first
-    commit consumes a reply's resolution (``Start``), so a requeue does not record it again.
+    flows every batch is. A final assistant message goes with the outcome's own commit.
+    The first commit consumes a reply's resolution (``Start``; an outcome's ``Finish`` or
+    ``Suspend`` replaces the interaction anyway), so a requeue does not record it again.
     """
 
     _FLUSHING = frozenset({TOOL_STARTED, TOOL_SUCCEEDED, TOOL_FAILED})
@@ -369,17 +371,35 @@ class _RunEvents:
         self.pending: EventBatch = list(start)
         self.flush_every_batch = flush_every_batch
         self._start: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     def begin(self) -> None:
-        """Commit the start events in the background (see the class text)."""
+        """Commit the start events soon, in the background (see the class text)."""
+        self._timer = asyncio.get_running_loop().call_later(START_COMMIT_DELAY, self._commit_start)
+
+    def _start_transition(self) -> Start:
+        return Start(self.fence, clear_resolution=self.prepared.resolution is not None)
+
+    def _take_start(self) -> bool:
+        """Whether the start is still to be committed (then it goes with the caller's
+        commit, or `_commit_start`'s): the timer is stopped."""
+        if self._timer is None:
+            return False
+        self._timer.cancel()
+        self._timer = None
+        return True
+
+    def _commit_start(self) -> None:
+        if not self._take_start():
+            return
         events, self.pending = self.pending, []
-        self._start = asyncio.ensure_future(
-            self._commit(
-                events, Start(self.fence, clear_resolution=self.prepared.resolution is not None)
-            )
-        )
+        self._start = asyncio.ensure_future(self._commit(events, self._start_transition()))
         # Never "exception was never retrieved": `settle` re-raises it where it matters.
         self._start.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def abandon(self) -> None:
+        """The execution stops without an outcome (requeued): its start is not committed."""
+        self._take_start()
 
     async def _commit(self, events: EventBatch, transition: Any = None) -> None:
         await append_events(
@@ -402,14 +422,16 @@ class _RunEvents:
             await self.flush()
 
     async def flush(self) -> None:
+        transition = self._start_transition() if self._take_start() else None
         await self.settle()
         if self.pending:
             events, self.pending = self.pending, []
-            await self._commit(events)
+            await self._commit(events, transition)
 
     async def outcome(self, outcome: Outcome) -> Outcome | str:
         """``outcome`` preceded by the events not yet committed (one transaction), once the
         start commit landed; ``"lease_lost"`` if it was refused."""
+        self._take_start()  # uncommitted, the start goes with the outcome
         try:
             await self.settle()
         except FenceRejected:
@@ -417,6 +439,12 @@ class _RunEvents:
         if not self.pending:
             return outcome
         return dataclasses.replace(outcome, pending=tuple(self.pending))
+
+
+# How long the start of an execution waits for its first commit to go with (seconds): a
+# run that ends (or calls a tool) sooner commits once; a longer one makes its start
+# durable at this age.
+START_COMMIT_DELAY = 0.05
 
 
 class _LeasedProvider:
@@ -818,9 +846,11 @@ class RunExecutor:
             stopped = await self._stopped(stop, prepared)
             if stopped is not None:
                 return await writer.outcome(stopped)
+            writer.abandon()
             raise
         except FenceRejected:
             logger.warning("run %s lost its lease; its writes stop here", run_id)
+            writer.abandon()
             return "lease_lost"
         except SageError as exc:
             if exc.code in SUSPENDING_CODES:
