@@ -1,11 +1,8 @@
-"""Shared API plumbing: the one exception handler, pagination, plain JSON error pages, and
-concurrent views under ASGI."""
+"""Shared API plumbing: the one exception handler, pagination and plain JSON error pages."""
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 from typing import Any
 
 from django.conf import settings
@@ -13,13 +10,11 @@ from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.db import connection
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect
-from django.urls import URLPattern
 from rest_framework import exceptions as drf_exceptions
 from rest_framework import status as http
 from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 
-from sageproject.db import db_call
 from sageproject.errors import ErrorCategory, SageError, envelope
 
 logger = logging.getLogger("sage.api")
@@ -164,34 +159,6 @@ def healthz(request: HttpRequest) -> HttpResponse:
         logger.warning("health check failed: %s", exc)
         return JsonResponse({"status": "unavailable"}, status=503)
     return JsonResponse({"status": "ok"})
-
-
-def concurrent_view(view: Any) -> Any:
-    """``view`` (a sync DRF view) as an async view that runs it on a thread of the event
-    loop's pool, releasing the thread's database connection afterwards.
-
-    Under ASGI Django runs every sync view of a process on one thread, so a web process
-    would serve one request at a time; this way it serves as many as the pool has threads
-    (the database connection pool bounds the connections). The wrapper keeps the view's
-    attributes (``cls``, ``actions``, ``csrf_exempt``) for DRF's router and the schema.
-    """
-
-    async def view_in_thread(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-        return await db_call(view, request, *args, **kwargs)
-
-    functools.update_wrapper(view_in_thread, view)
-    return view_in_thread
-
-
-def concurrent_patterns(patterns: list[Any]) -> list[Any]:
-    """URL patterns whose views run concurrently (`concurrent_view`) when this process
-    serves ASGI (``sageproject.asgi`` sets ``SAGE_ASGI``); unchanged otherwise — under WSGI
-    and Django's test client each request already has its own thread."""
-    if os.environ.get("SAGE_ASGI") != "1":
-        return patterns
-    return [
-        URLPattern(p.pattern, concurrent_view(p.callback), p.default_args, p.name) for p in patterns
-    ]
 
 
 class StrictFieldsMixin:

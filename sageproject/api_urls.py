@@ -7,7 +7,6 @@ from agents import api as agents_api
 from agents import api_packages
 from agents.jobs.api import RunJobsView
 from pooling import api as pooling_api
-from sageproject.api import concurrent_patterns
 
 router = DefaultRouter()
 router.register("model-records", pooling_api.ModelRecordViewSet, basename="modelrecord")
@@ -17,12 +16,10 @@ router.register("runs", agents_api.RunViewSet, basename="run")
 router.register("archives", agents_api.ArchiveViewSet, basename="archive")
 router.register("reclamations", api_packages.ReclamationViewSet, basename="reclamation")
 
-urlpatterns = concurrent_patterns(
-    [
-        path("capacity", agents_api.CapacityView.as_view(), name="capacity"),
-        path("capacity/", agents_api.CapacityView.as_view()),
-        path("runs/<uuid:run_id>/jobs", RunJobsView.as_view(), name="run-jobs"),
-        path("runs/<uuid:run_id>/jobs/", RunJobsView.as_view()),
-        *router.urls,
-    ]
-)
+urlpatterns = [
+    path("capacity", agents_api.CapacityView.as_view(), name="capacity"),
+    path("capacity/", agents_api.CapacityView.as_view()),
+    path("runs/<uuid:run_id>/jobs", RunJobsView.as_view(), name="run-jobs"),
+    path("runs/<uuid:run_id>/jobs/", RunJobsView.as_view()),
+    *router.urls,
+]

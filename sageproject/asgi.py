@@ -1,14 +1,15 @@
-"""ASGI entry point (uvicorn sageproject.asgi:application)."""
+"""ASGI entry point (uvicorn sageproject.asgi:application).
+
+Each request's middleware and view run on a thread of a pool (`sageproject.handler`).
+"""
 
 import os
 
 from sageproject import config
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "sageproject.settings")
-# The REST API's views run on a thread pool under ASGI (see sageproject.api.concurrent_view).
-os.environ["SAGE_ASGI"] = "1"
 config.exit_on_errors(config.load(), program="sage-web")
 
-from django.core.asgi import get_asgi_application  # noqa: E402
+from sageproject.handler import get_application  # noqa: E402
 
-application = get_asgi_application()
+application = get_application()

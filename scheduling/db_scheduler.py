@@ -139,6 +139,7 @@ class DatabaseScheduler:
         self._group = quota_group
         # Only the waiters of a group are used: members of one group wake each other.
         self._ledger: _Ledger = quota_group if quota_group is not None else _Ledger()
+        self._pushed = False  # see `notify`
         self._works: dict[str, WorkItem] = {}
         self._by_run: dict[str, str] = {}
         self._idempotency: dict[str, str] = {}
@@ -358,6 +359,7 @@ class DatabaseScheduler:
         reap = self._clock is not None or now >= self._next_reap
         if reap:
             self._next_reap = now + REAP_SECONDS
+        look_first, self._pushed = not self._pushed, False
         grants, reaped = await self._db(
             runs.claim,
             worker_id=worker_id,
@@ -369,6 +371,7 @@ class DatabaseScheduler:
             limit=limit,
             max_crashes=self.max_attempts,
             reap=reap,
+            look_first=look_first,
             using=self.using,
             clock=self._clock,
         )
@@ -475,8 +478,12 @@ class DatabaseScheduler:
         already lost to another worker: there is nothing left to release)."""
         self._leases.pop(lease.lease_id, None)
 
-    def notify(self) -> None:
-        """Wake waiting claims of this scheduler (and of its quota group)."""
+    def notify(self, *, pushed: bool = False) -> None:
+        """Wake waiting claims of this scheduler (and of its quota group). ``pushed``: a
+        wake-up said a run was queued, so the next claim goes straight to its transaction
+        instead of first looking for work without a lock (as idle polls do)."""
+        if pushed:
+            self._pushed = True
         self._ledger.notify()
 
     # ----------------------------------------------------------------- leases

@@ -440,7 +440,7 @@ class Dispatcher:
     def on_wake(self, kind: str, payload: str) -> None:
         """A push wake-up (`scheduling.wakeups`): claim now, or look at stop requests now."""
         if kind == "run":
-            self.scheduler.notify()
+            self.scheduler.notify(pushed=True)
         elif kind == "cancel" and payload in self.executions:
             self._check_stops.set()
         else:

@@ -651,13 +651,15 @@ def claim(
     limit: int = 1,
     max_crashes: int | None = None,
     reap: bool = True,
+    look_first: bool = True,
     using: str = DEFAULT_DB_ALIAS,
     clock: Clock = None,
 ) -> tuple[list[Grant], list[str]]:
     """Claim up to ``limit`` runs in one transaction; returns (grants, reaped run ids).
 
     Idle polling takes no lock (a frozen worker inside the claim transaction would stall
-    every other worker's claims). The claim itself serializes on the fence-sequence row; on
+    every other worker's claims): it looks for work first, unless ``look_first`` is false
+    (a wake-up said there is some). The claim itself serializes on the fence-sequence row; on
     PostgreSQL a transaction left idle by a frozen process is ended after
     ``CLAIM_IDLE_TIMEOUT_MS`` (MySQL: its connection is dropped). Dead leases are reaped
     first (see `reap`). A fixed number of statements whatever
@@ -667,7 +669,7 @@ def claim(
     work = _claimable(queue, clock)
     if reap:
         work |= _dead_lease(clock) | Q(status=RunStatus.QUEUED, cancel_requested=True)
-    if not Run.objects.using(db).filter(work).exists():
+    if look_first and not Run.objects.using(db).filter(work).exists():
         return [], []
 
     def attempt() -> tuple[list[Grant], list[str]]:

@@ -5,7 +5,7 @@ on stderr only when it is a terminal):
 
 - ``claim``: time of one ``DatabaseScheduler().claim_many(worker, lease_duration=30 s,
   limit=32)`` with ``--claim-queued`` queued runs (default 100 and 10,000; rows bulk
-  inserted, one session each, over four users, planner statistics refreshed, no worker
+  inserted, one session each, over four users, tables vacuumed and analyzed, no worker
   running). Median and p90 of ``--claim-repeat`` claims per size after two warm-up claims;
   the claimed runs are requeued (``release(..., worker_shutdown)``, untimed) between claims,
   so the queue keeps its size. ``ratio``: median at the largest size over the smallest
@@ -23,7 +23,8 @@ on stderr only when it is a terminal):
   machine's wall clock (on SQLite ``started_at`` has millisecond resolution).
 - ``http_admission``: the web process as production starts it (``uvicorn
   sageproject.asgi:application --workers 2`` on 127.0.0.1, the worker running), and
-  ``--http-clients`` (default 50) concurrent clients (httpx, one process) POSTing
+  ``--http-clients`` (default 50) concurrent clients (one process; each a keep-alive
+  connection of a minimal HTTP/1.1 client, `KeepAliveClient`) POSTing
   ``/api/v1/runs/`` with API tokens for ``--http-seconds`` (default 10): requests/s, p50/p99,
   the answers by status (202, 429, …) and how long the worker took to drain what was admitted
   (target ≥ 500 req/s, p99 ≤ 100 ms).
@@ -68,6 +69,10 @@ there is the task's own timestamp. The host's ``throughput`` line carries
 ``ratio_to_<peer>`` = ours / the peer's ``started_per_s`` (> 1: we start more runs per
 second); its ``latency`` line ``ratio_to_<peer>`` = ``{"p50", "p99"}`` ours / the peer's
 (< 1: we start sooner).
+
+Before each of this host's paths the tables runs write are vacuumed (PostgreSQL) and
+analyzed, untimed, so that no path pays for the dead rows of the one before (the peers start
+on fresh tables of their own; a server without autovacuum would keep them all).
 
 Every worker runs at log level WARNING (no line per task anywhere). This host's worker gets
 ``SAGE_SERVER_MAX_CONCURRENT_RUNS`` = ``..._PER_USER`` = ``SAGE_MAX_CONCURRENT_MODEL_CALLS``
@@ -195,20 +200,27 @@ def libpq_conninfo(alias: str = "default") -> str:
     return make_conninfo(**{k: v for k, v in params.items() if v})
 
 
-def analyze_runs() -> None:
-    """Refresh the planner's statistics of the run and session tables (not timed)."""
-    from scheduling.models import Run, Session
+def tidy_tables() -> None:
+    """Vacuum (PostgreSQL) and analyze the tables runs write, not timed: a path is measured
+    without the dead rows of the paths before it, as each peer starts on tables of its
+    own (a server running without autovacuum would otherwise keep them all)."""
+    from django.apps import apps
 
     connection = connections["default"]
-    tables = [Run._meta.db_table, Session._meta.db_table]
+    tables = [
+        model._meta.db_table
+        for label in ("scheduling", "agents")
+        for model in apps.get_app_config(label).get_models()
+        if model._meta.managed
+    ]
     with connection.cursor() as cursor:
-        for table in tables:
-            if connection.vendor == "postgresql":
-                cursor.execute(f'ANALYZE "{table}"')
-            elif connection.vendor == "mysql":
+        if connection.vendor == "postgresql":
+            cursor.execute(f"VACUUM (ANALYZE) {', '.join(f'"{t}"' for t in tables)}")
+        elif connection.vendor == "mysql":
+            for table in tables:
                 cursor.execute(f"ANALYZE TABLE `{table}`")
                 cursor.fetchall()
-        if connection.vendor == "sqlite":
+        else:
             cursor.execute("ANALYZE")
 
 
@@ -565,7 +577,7 @@ async def claim_path(owners: list[Any], sizes: list[int], repeat: int) -> dict[s
             count = size // len(owners) + (1 if index < size % len(owners) else 0)
             if count:
                 queue_runs(owner, count)
-        analyze_runs()
+        tidy_tables()
 
     def clear() -> None:
         Session.objects.filter(owner__in=owners).delete()
@@ -615,44 +627,92 @@ async def claim_path(owners: list[Any], sizes: list[int], repeat: int) -> dict[s
     }
 
 
+class KeepAliveClient:
+    """A minimal HTTP/1.1 client on one keep-alive connection (asyncio streams): the
+    load generator of ``http_admission``. It costs a small part of what a full client
+    (httpx) costs per request, so on a machine shared with the server the figure is the
+    server's. Understands what this API answers: ``Content-Length`` bodies."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post_json(self, path: str, body: bytes, headers: dict[str, str]) -> int:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            + "\r\n"
+        )
+        self.writer.write(head.encode() + body)
+        status_line = await self.reader.readline()
+        length = 0
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        if length:
+            await self.reader.readexactly(length)
+        return int(status_line.split()[1])
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
+
+
 async def http_admission(
     base: str, clients: list[tuple[str, list[str]]], seconds: float
 ) -> dict[str, Any]:
-    import httpx
+    from urllib.parse import urlsplit
 
-    limits = httpx.Limits(max_connections=len(clients), max_keepalive_connections=len(clients))
+    address = urlsplit(base)
     latencies: list[float] = []
     statuses: Counter[int] = Counter()
     reused = 0
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
+    connections_ = [KeepAliveClient(address.hostname, address.port) for _ in clients]
 
-        async def post(token: str, session: str) -> int:
-            response = await client.post(
-                "/api/v1/runs/",
-                json={"session": session, "input": "ping"},
-                headers={"Authorization": f"Token {token}"},
-            )
-            return response.status_code
+    async def post(client: KeepAliveClient, token: str, session: str) -> int:
+        body = orjson.dumps({"session": session, "input": "ping"})
+        return await client.post_json("/api/v1/runs/", body, {"Authorization": f"Token {token}"})
 
+    try:
         # Warm-up (untimed): one request per client opens its connection.
-        await asyncio.gather(*(post(token, sessions[0]) for token, sessions in clients))
+        await asyncio.gather(
+            *(
+                post(client, token, sessions[0])
+                for client, (token, sessions) in zip(connections_, clients, strict=True)
+            )
+        )
         deadline = time.perf_counter() + seconds
 
-        async def one(token: str, sessions: list[str]) -> None:
+        async def one(client: KeepAliveClient, token: str, sessions: list[str]) -> None:
             nonlocal reused
             index = 1
             while time.perf_counter() < deadline:
                 if index >= len(sessions):
                     reused += 1  # queued behind its session's earlier run
                 started = time.perf_counter()
-                code = await post(token, sessions[index % len(sessions)])
+                code = await post(client, token, sessions[index % len(sessions)])
                 latencies.append(time.perf_counter() - started)
                 statuses[code] += 1
                 index += 1
 
         began = time.perf_counter()
-        await asyncio.gather(*(one(token, sessions) for token, sessions in clients))
+        await asyncio.gather(
+            *(
+                one(client, token, sessions)
+                for client, (token, sessions) in zip(connections_, clients, strict=True)
+            )
+        )
         elapsed = time.perf_counter() - began
+    finally:
+        for client in connections_:
+            await client.close()
     return {
         "path": "http_admission",
         "clients": len(clients),
@@ -1315,6 +1375,7 @@ class Command(BaseCommand):
             warm_up(host, 2 * concurrency, timeout)
             figures = {"concurrency": concurrency, "users": len(owners)}
 
+            tidy_tables()
             progress(f"throughput: {options['n']} runs")
             line = {
                 "path": "throughput",
@@ -1328,6 +1389,7 @@ class Command(BaseCommand):
                 line[ratio_key(peer)] = round(line["started_per_s"] / theirs["started_per_s"], 3)
             self._emit(line)
 
+            tidy_tables()
             progress(f"latency: {options['latency_n']} runs at {options['rate']}/s")
             line = {
                 "path": "latency",
@@ -1380,6 +1442,7 @@ class Command(BaseCommand):
             peers_of_c = list(range(owner_index, clients, len(owners)))
             mine = by_owner[owners[owner_index][0].pk][peers_of_c.index(c) :: len(peers_of_c)]
             plan.append((tokens[owner_index], mine))
+        tidy_tables()
         progress(f"http_admission: {clients} clients for {options['http_seconds']} s")
         line = asyncio.run(http_admission(base, plan, options["http_seconds"]))
         server.check()

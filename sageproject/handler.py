@@ -1,0 +1,81 @@
+"""The web process's ASGI handler: each request's middleware and view run on a pool thread.
+
+Django's own ASGI handler runs the middleware chain on the event loop, and every
+``MiddlewareMixin`` middleware (sessions, CSRF, authentication, …) hops twice per request
+into the one thread Django keeps for thread-sensitive code, as does every sync view: a web
+process then handles its requests one at a time on that thread, paying a dozen thread
+hops each. Here the whole chain is synchronous and one request is one hop onto a thread of
+a pool, so a process serves as many requests at once as the pool has threads, each as it
+would under WSGI (its thread's database connection is given back after the request).
+
+A streaming response whose content is an asynchronous iterator (the session event stream)
+is still sent from the event loop: the view only builds it on its thread.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.handlers.asgi import ASGIHandler
+from django.core.handlers.base import BaseHandler
+from django.db import close_old_connections
+from django.http import HttpRequest, HttpResponseBase
+
+# Threads per web process when the database has no connection pool to size them by.
+DEFAULT_THREADS = 16
+
+
+def request_threads() -> int:
+    """Threads serving requests in one web process: as many as the database connection
+    pool allows connections (a request never waits for one), else `DEFAULT_THREADS`."""
+    pool = settings.DATABASES["default"].get("OPTIONS", {}).get("pool")
+    if isinstance(pool, dict) and pool.get("max_size"):
+        return max(2, int(pool["max_size"]))
+    return DEFAULT_THREADS
+
+
+class ThreadedASGIHandler(ASGIHandler):
+    """Django's ASGI handler with the middleware chain and view run synchronously on a
+    thread pool (see the module text)."""
+
+    def __init__(self) -> None:
+        BaseHandler.__init__(self)
+        self.load_middleware(is_async=False)
+        self.threads = request_threads()
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="sage-web")
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """As Django's, without a ``ThreadSensitiveContext`` per request: that context
+        starts (and joins) a thread of its own for the request's few thread-sensitive
+        calls (the request signals, closing the response), which here share asgiref's
+        one thread instead; the request's own work is on the pool."""
+        if scope["type"] != "http":
+            raise ValueError(f"only HTTP connections are served, not {scope['type']}")
+        await self.handle(scope, receive, send)
+
+    async def get_response_async(self, request: HttpRequest) -> HttpResponseBase:
+        return await sync_to_async(self._respond, thread_sensitive=False, executor=self._pool)(
+            request
+        )
+
+    def _respond(self, request: HttpRequest) -> HttpResponseBase:
+        try:
+            return self.get_response(request)
+        finally:
+            close_old_connections()
+
+
+def get_application() -> Any:
+    """The web process's ASGI application (Django set up first)."""
+    import django
+
+    django.setup(set_prefix=False)
+    from django.urls import get_resolver
+
+    # The URL configuration (and every view module it imports) is loaded now, not by the
+    # first requests while others wait for the import.
+    get_resolver().url_patterns
+    return ThreadedASGIHandler()
