@@ -176,3 +176,44 @@ def test_it_fails_a_run_on_an_upstream_error_without_leaking_the_body(alice, sta
     assert body["error"]["code"] == "upstream.error"
     events = api.get(f"/api/v1/sessions/{session}/events/").content.decode()
     assert "<html>" not in str(body) and "<html>" not in events
+
+
+def test_a_one_step_run_commits_once_and_a_long_ones_start_is_durable_while_it_runs(
+    alice, make_session, start_worker
+):
+    """The start of a run (run.started, the user's message) goes with the execution's
+    first commit when that comes within START_COMMIT_DELAY, else alone at that age."""
+    from scheduling import store
+
+    ModelRecord.objects.create(
+        owner=None,
+        name="slow",
+        protocol=Protocol.SCRIPTED,
+        model="slow",
+        options={"token_delay_ms": 100, "script": [{"text": " ".join(["w"] * 20)}]},
+    )
+    make_session(alice)
+    make_session(alice, manifest=demo_manifest(name="slowpkg", model="slow"))
+    api = client_for(alice)
+    start_worker(max_concurrent=2)
+
+    quick = _submit(api, _open_session(api), "hello")
+    wait_for(lambda: all_terminal([quick]), message="the quick run to finish")
+    commits = store._default.snapshot()["commits"]
+    quick = _submit(api, _open_session(api), "hello again")
+    wait_for(lambda: all_terminal([quick]), message="the second quick run to finish")
+    # Its start, its answer and its end: one commit.
+    assert store._default.snapshot()["commits"] - commits == 1
+    assert list(
+        Event.objects.filter(run_id=quick).order_by("seq").values_list("type", flat=True)
+    ) == ["run.started", "message.completed", "message.completed", "run.completed"]
+
+    slow = _submit(api, _open_session(api, "slowpkg"), "take your time")
+    wait_for(
+        lambda: Event.objects.filter(run_id=slow, type="run.started").exists(),
+        message="the slow run's start to be durable",
+    )
+    # Durable while the model still streams (about two seconds).
+    assert Run.objects.get(pk=slow).status == RunStatus.RUNNING
+    assert Event.objects.filter(run_id=slow, type="message.completed").count() == 1
+    wait_for(lambda: all_terminal([slow]), message="the slow run to finish")
