@@ -224,7 +224,9 @@ class SessionViewSet(
     )
     @action(detail=True, methods=["get"])
     def stream(self, request: Request, pk: str | None = None) -> StreamingHttpResponse:
-        """Durable events as Server-Sent Events (``id`` = seq), resumable by Last-Event-ID."""
+        """Durable events as Server-Sent Events (``id`` = seq), resumable by Last-Event-ID;
+        while a model streams, live ``message.delta`` and ``tool_call.delta`` events (no
+        ``id``: never persisted)."""
         session = self.get_object()
         last = request.headers.get("Last-Event-ID")
         after = _int_param(request, "after", 0, minimum=0)
@@ -250,8 +252,9 @@ def _events_after(session_id: Any, after: int, limit: int = EVENT_PAGE) -> list[
 
 async def _event_stream(session_id: Any, after: int, seconds: float) -> AsyncIterator[bytes]:
     """Durable events from the database (the source of truth for every process, ``id`` =
-    seq) and, live, the workers' ``message.delta`` events (no ``id``: never persisted, so a
-    reconnect with ``Last-Event-ID`` replays durable events and then joins the deltas).
+    seq) and, live, the workers' ``message.delta`` and ``tool_call.delta`` events (no
+    ``id``: never persisted, so a reconnect with ``Last-Event-ID`` replays durable events
+    and then joins the deltas).
 
     A ``committed`` notice from a worker makes the stream read new durable events at once;
     without one it polls every ``STREAM_POLL_SECONDS``. Deltas wait in a bounded queue per
@@ -294,16 +297,13 @@ async def _event_stream(session_id: Any, after: int, seconds: float) -> AsyncIte
             )
             read = message is None  # the poll interval passed: look at the database
             while message is not None:
-                if message.get("type") == "message.delta":
+                kind = message.get("type")
+                if kind in live.DELTA_TEXT:
                     quiet_since = loop.time()
                     body = orjson.dumps(
-                        {
-                            "type": "message.delta",
-                            "run": message.get("run"),
-                            "payload": message.get("payload"),
-                        }
+                        {"type": kind, "run": message.get("run"), "payload": message.get("payload")}
                     )
-                    yield b"event: message.delta\ndata: %s\n\n" % body
+                    yield b"event: %s\ndata: %s\n\n" % (kind.encode(), body)
                 elif message.get("type") == "committed" and int(message.get("seq", 0)) > after:
                     read = True
                 try:

@@ -59,7 +59,7 @@ from pooling.budget import ModelConcurrencyBudget
 from pooling.clients import ModelClientPool
 from pooling.models import ModelRecord
 from pooling.providers import load_adapter
-from pooling.providers.base import ModelRequest, TextDelta
+from pooling.providers.base import ModelRequest, TextDelta, ToolCallDelta
 from sageproject.db import db_call
 from sageproject.errors import ErrorCategory, NotFoundError, SageError
 from scheduling import live, runs
@@ -447,6 +447,24 @@ class _RunEvents:
 START_COMMIT_DELAY = 0.05
 
 
+def live_delta(item: Any) -> dict[str, Any] | None:
+    """The live stream message (type and payload) for a model stream item, if any: a text
+    piece is a ``message.delta``, a piece of a tool call's arguments a ``tool_call.delta``."""
+    if isinstance(item, TextDelta) and item.text:
+        return {"type": "message.delta", "payload": {"text": item.text}}
+    if isinstance(item, ToolCallDelta) and item.arguments:
+        return {
+            "type": "tool_call.delta",
+            "payload": {
+                "index": item.index,
+                "id": item.id,
+                "name": item.name,
+                "arguments": item.arguments,
+            },
+        }
+    return None
+
+
 class _LeasedProvider:
     """The provider a budget wraps: one adapter bound to one leased client."""
 
@@ -704,16 +722,13 @@ class RunExecutor:
         async with await self.pool.acquire(owner_id, record) as lease:
             bounded = self.budget.wrap(_LeasedProvider(adapter, lease.provider))
             async for item in bounded.stream(request):
-                if run is not None and isinstance(item, TextDelta) and item.text:
+                if run is not None:
                     # Live to stream clients; never persisted (the complete message is).
-                    live.publish(
-                        {
-                            "session": str(run.session_id),
-                            "run": str(run.run_id),
-                            "type": "message.delta",
-                            "payload": {"text": item.text},
-                        }
-                    )
+                    delta = live_delta(item)
+                    if delta is not None:
+                        live.publish(
+                            {"session": str(run.session_id), "run": str(run.run_id), **delta}
+                        )
                 yield item
 
     def _turn(self, agent: PreparedAgent) -> AgentTurn:

@@ -1,8 +1,9 @@
 """Live fan-out from workers to stream clients: token deltas and "new durable events" notices.
 
 Durable events are the source of truth and are read from the database. This channel only
-makes streams live: ``message.delta`` events (a model's text as it streams, never
-persisted) and ``committed`` notices (a session's durable prefix moved on, so a waiting
+makes streams live: ``message.delta`` events (a model's text as it streams) and
+``tool_call.delta`` events (pieces of a tool call's arguments as they stream), both never
+persisted, and ``committed`` notices (a session's durable prefix moved on, so a waiting
 stream reads it at once instead of at its next poll).
 
 Transport, as for wake-ups (`scheduling.wakeups`): PostgreSQL ``NOTIFY sage_live``,
@@ -41,6 +42,9 @@ REDIS_CHANNEL = "sage:live"
 MAX_PAYLOAD = 7000
 PUBLISH_QUEUE = 10_000
 SUBSCRIBER_QUEUE = 256
+# The live delta types stream clients receive, each with the payload field that holds its
+# text (split in halves when a message is too large for one notification).
+DELTA_TEXT = {"message.delta": "text", "tool_call.delta": "arguments"}
 
 
 def live_dir() -> Path:
@@ -84,11 +88,13 @@ class LivePublisher:
         # one transaction once, and one batch is one transaction.
         self._count += 1
         data = orjson.dumps({**message, "n": self._count})
-        if len(data) > MAX_PAYLOAD and message.get("type") == "message.delta":
-            text = message["payload"].get("text", "")
+        piece = DELTA_TEXT.get(str(message.get("type")))
+        if len(data) > MAX_PAYLOAD and piece is not None:
+            # Too large for one notification: the delta's text in two halves.
+            text = message["payload"].get(piece, "")
             half = len(text) // 2
             for part in (text[:half], text[half:]):
-                self.publish({**message, "payload": {**message["payload"], "text": part}})
+                self.publish({**message, "payload": {**message["payload"], piece: part}})
             return
         if len(self._queue) >= PUBLISH_QUEUE:
             self.dropped += 1

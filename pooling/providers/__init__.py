@@ -21,6 +21,7 @@ from .base import (
     StreamItem,
     TextDelta,
     ToolCall,
+    ToolCallDelta,
     ToolSpec,
 )
 from .errors import connection_error, parse_error_body, upstream_error
@@ -33,6 +34,7 @@ __all__ = [
     "StreamItem",
     "TextDelta",
     "ToolCall",
+    "ToolCallDelta",
     "ToolSpec",
     "close_client",
     "connection_error",

@@ -13,7 +13,15 @@ from typing import Any
 import anthropic
 import httpx2  # the SDKs' own HTTP transport
 
-from .base import ModelRequest, StreamEnd, StreamItem, TextDelta, ToolCall, record_options
+from .base import (
+    ModelRequest,
+    StreamEnd,
+    StreamItem,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    record_options,
+)
 from .errors import (
     ANTHROPIC_ERROR_STATUS,
     connection_error,
@@ -127,11 +135,12 @@ class AnthropicAdapter:
         return parse_error_body(body)
 
     async def stream(self, client: Any, request: ModelRequest) -> AsyncIterator[StreamItem]:
-        """Stream one message: ``TextDelta``s and ``ToolCall``s in block order, then ``StreamEnd``.
+        """Stream one message: ``TextDelta``s, ``ToolCallDelta``s and ``ToolCall``s in block
+        order, then ``StreamEnd``.
 
-        ``input_json_delta`` fragments are accumulated per block and parsed when the block
-        stops. Raises ``UpstreamError`` for HTTP errors, ``error`` events inside the stream,
-        connection failures and timeouts.
+        ``input_json_delta`` fragments are passed on (``ToolCallDelta``) and accumulated per
+        block, and parsed when the block stops. Raises ``UpstreamError`` for HTTP errors,
+        ``error`` events inside the stream, connection failures and timeouts.
         """
         options = request.options or {}
         kwargs: dict[str, Any] = {
@@ -178,7 +187,15 @@ class AnthropicAdapter:
                         if delta.type == "text_delta" and delta.text:
                             yield TextDelta(text=delta.text)
                         elif delta.type == "input_json_delta" and event.index in tools:
-                            tools[event.index]["parts"].append(delta.partial_json)
+                            call = tools[event.index]
+                            call["parts"].append(delta.partial_json)
+                            if delta.partial_json:
+                                yield ToolCallDelta(
+                                    index=event.index,
+                                    id=call["id"],
+                                    name=call["name"],
+                                    arguments=delta.partial_json,
+                                )
                     elif kind == "content_block_stop":
                         call = tools.pop(event.index, None)
                         if call is not None:

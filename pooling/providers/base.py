@@ -2,7 +2,8 @@
 
 Everything here is Django-free: the agent engine builds a ``ModelRequest`` from a model
 record and a conversation, and an adapter turns it into one streaming call of its vendor's
-SDK, yielding ``TextDelta``, ``ToolCall`` and a final ``StreamEnd``.
+SDK, yielding ``TextDelta`` and ``ToolCallDelta`` pieces as they stream, the complete
+``ToolCall``s and a final ``StreamEnd``.
 
 Normalized messages (the only shapes adapters accept)::
 
@@ -51,6 +52,19 @@ class TextDelta:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCallDelta:
+    """A piece of a tool call as the model streams it: ``arguments`` is the next fragment
+    of the call's JSON arguments text; ``id`` and ``name`` as far as the stream has said
+    them (``index`` tells the calls of one turn apart). For live display only: the complete
+    ``ToolCall`` follows."""
+
+    index: int
+    id: str | None
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ToolCall:
     """A complete tool call; ``arguments`` is the parsed JSON object."""
 
@@ -72,7 +86,7 @@ class StreamEnd:
     usage: dict
 
 
-StreamItem = TextDelta | ToolCall | StreamEnd
+StreamItem = TextDelta | ToolCallDelta | ToolCall | StreamEnd
 
 
 @runtime_checkable

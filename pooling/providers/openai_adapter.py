@@ -14,7 +14,15 @@ from typing import Any
 import httpx2  # the SDKs' own HTTP transport
 import openai
 
-from .base import ModelRequest, StreamEnd, StreamItem, TextDelta, ToolCall, record_options
+from .base import (
+    ModelRequest,
+    StreamEnd,
+    StreamItem,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    record_options,
+)
 from .errors import (
     connection_error,
     parse_error_body,
@@ -39,8 +47,12 @@ PASSTHROUGH_OPTIONS = (
     "reasoning_effort",
     "user",
 )
-STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "function_call": "tool_use",
-                "length": "max_tokens"}
+STOP_REASONS = {
+    "stop": "end_turn",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "length": "max_tokens",
+}
 
 
 def to_openai_messages(request: ModelRequest) -> list[dict[str, Any]]:
@@ -136,9 +148,11 @@ class OpenAIAdapter:
         return parse_error_body(body)
 
     async def stream(self, client: Any, request: ModelRequest) -> AsyncIterator[StreamItem]:
-        """Stream one chat completion: ``TextDelta``s, then ``ToolCall``s, then ``StreamEnd``.
+        """Stream one chat completion: ``TextDelta``s and ``ToolCallDelta``s as they come,
+        then ``ToolCall``s, then ``StreamEnd``.
 
-        Tool-call argument fragments are accumulated by index and parsed at the end. Raises
+        Tool-call argument fragments are passed on (``ToolCallDelta``) and accumulated by
+        index, and parsed at the end. Raises
         ``UpstreamError`` (see ``pooling.providers.upstream_error``) for HTTP errors, error
         events inside the stream, connection failures and timeouts.
         """
@@ -191,6 +205,12 @@ class OpenAIAdapter:
                                     call["name"] = function.name
                                 if function.arguments:
                                     call["arguments"].append(function.arguments)
+                                    yield ToolCallDelta(
+                                        index=fragment.index,
+                                        id=call["id"],
+                                        name=call["name"],
+                                        arguments=function.arguments,
+                                    )
                         if choice.finish_reason:
                             finish_reason = choice.finish_reason
             finally:

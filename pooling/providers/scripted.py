@@ -7,7 +7,9 @@ chosen by the request's options (the model record's options JSON):
 - ``script``: ``[{"text": "...", "tool_calls": [{"name": ..., "arguments": {...}}]}, ...]``;
   step *i* is the number of assistant messages after the last user message, so a tool loop
   advances through the steps; past the end the default reply applies.
-- ``token_delay_ms``: sleep this long between tokens (the first token comes at once).
+- ``token_delay_ms``: sleep this long between tokens (the first token comes at once) and
+  between the pieces of a tool call's arguments (streamed in ``ARGUMENT_PIECE``-character
+  ``ToolCallDelta``s before the complete call).
 - ``error``: ``{"status": 502, "body": "...", "retry_after": 3}`` raises the mapped upstream
   error (through ``transform_error``) before any token, or after ``error_after_tokens``
   tokens when that is given. ``"status": null`` simulates a connection failure.
@@ -20,6 +22,7 @@ result is 4."); anything else is echoed ("You said: ...").
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,13 +30,15 @@ from typing import Any
 
 from sageproject.errors import ValidationError
 
-from .base import ModelRequest, StreamEnd, StreamItem, TextDelta, ToolCall
+from .base import ModelRequest, StreamEnd, StreamItem, TextDelta, ToolCall, ToolCallDelta
 from .errors import connection_error, parse_error_body, upstream_error
 
 CALCULATE = re.compile(r"(?i)\b(?:calculate|compute|what is)\s+([0-9\s\.\+\-\*/\(\)\^%]+)")
 TIME = re.compile(r"(?i)\btime\b")
 # Word tokens that keep their trailing whitespace, so joining the tokens gives the text back.
 TOKEN = re.compile(r"\S+\s*|\s+")
+# Characters of a tool call's arguments text per ToolCallDelta.
+ARGUMENT_PIECE = 8
 
 
 @dataclass(slots=True, kw_only=True)
@@ -123,6 +128,17 @@ class ScriptedAdapter:
         if error:
             # Fewer tokens than error_after_tokens: the stream still fails, at its end.
             raise self._injected(error)
+        for index, call in enumerate(step.tool_calls):
+            # The arguments stream in pieces, as a vendor's do, then the complete call.
+            text = json.dumps(call.arguments)
+            for start in range(0, len(text), ARGUMENT_PIECE):
+                await asyncio.sleep(delay)
+                yield ToolCallDelta(
+                    index=index,
+                    id=call.id,
+                    name=call.name,
+                    arguments=text[start : start + ARGUMENT_PIECE],
+                )
         for call in step.tool_calls:
             yield call
         usage = {

@@ -112,6 +112,41 @@ def test_token_deltas_reach_the_stream_while_the_model_streams(alice, start_work
     assert Run.objects.get(pk=run_id).status == RunStatus.COMPLETED
 
 
+def test_tool_call_argument_deltas_reach_the_stream_before_the_call(alice, start_worker):
+    arguments = {"expression": "(2+3)*4 + 100/5 - 7"}
+    ModelRecord.objects.create(
+        owner=None,
+        name="tooly",
+        protocol=Protocol.SCRIPTED,
+        model="tooly",
+        options={
+            "token_delay_ms": 20,
+            "script": [
+                {"text": "", "tool_calls": [{"name": "calculator", "arguments": arguments}]},
+                {"text": "done"},
+            ],
+        },
+    )
+    packages.package_create(owner=alice, manifest=demo_manifest(name="tooly", model="tooly"))
+    api = client_for(alice)
+    start_worker()
+    session = api.post(
+        "/api/v1/sessions/", {"package": "tooly", "agent": "assistant"}, format="json"
+    ).json()["id"]
+    run_id = api.post("/api/v1/runs/", {"session": session, "input": "go"}, format="json").json()[
+        "id"
+    ]
+    response = api.get(f"/api/v1/sessions/{session}/stream/", {"timeout": 60})
+    messages = asyncio.run(_read(response, _completed))
+    kinds = [m["event"] for m in messages]
+    deltas = [orjson.loads(m["data"]) for m in messages if m["event"] == "tool_call.delta"]
+    assert len(deltas) > 1, kinds  # in pieces, as the model streamed them
+    assert all(d["run"] == run_id and d["payload"]["name"] == "calculator" for d in deltas)
+    assert orjson.loads("".join(d["payload"]["arguments"] for d in deltas)) == arguments
+    assert kinds.index("tool_call.delta") < kinds.index("tool.call.started")
+    assert not Event.objects.filter(session_id=session, type="tool_call.delta").exists()
+
+
 def test_a_subscriber_that_never_reads_does_not_slow_the_run(alice, start_worker):
     _package(alice, words=600, delay_ms=0)
     api = client_for(alice)
