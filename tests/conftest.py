@@ -95,6 +95,29 @@ def scripted_record(db):
     return record
 
 
+def scripted_model(name: str, *script: dict, token_delay_ms: int = 0, **options):
+    """The shared model record ``name`` of the keyless scripted model (created once): its
+    ``script`` steps (``{"text": ..., "tool_calls": [...]}``, one per model call), tokens
+    ``token_delay_ms`` apart, and any other option it knows (``error``, …)."""
+    from pooling.models import ModelRecord, Protocol
+
+    if script:
+        options["script"] = list(script)
+    if token_delay_ms:
+        options["token_delay_ms"] = token_delay_ms
+    record, _ = ModelRecord.objects.get_or_create(
+        owner=None,
+        name=name,
+        defaults={"protocol": Protocol.SCRIPTED, "model": name, "options": options},
+    )
+    return record
+
+
+def words(count: int, word: str = "w") -> str:
+    """``count`` words of text for a scripted step (one streamed token each)."""
+    return " ".join([word] * count)
+
+
 def demo_manifest(name: str = "demo", version: str = "1.0.0", **agent_overrides) -> dict:
     agent = {
         "model": "scripted",

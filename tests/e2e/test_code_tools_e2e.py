@@ -16,10 +16,9 @@ from agents import packages, services
 from agents.code_tools import CodeToolsRuntime
 from agents.execution import RunExecutor
 from pooling.interpreters import InterpreterLimits
-from pooling.models import ModelRecord, Protocol
 from pooling.sessions import SessionPool
 from scheduling.models import Event, Run, RunStatus
-from tests.conftest import demo_manifest
+from tests.conftest import demo_manifest, scripted_model
 from tests.e2e.conftest import all_terminal, wait_for
 
 pytestmark = [
@@ -47,12 +46,10 @@ def _runtime() -> CodeToolsRuntime:
 
 def _coder(user, *, tool: str, code: str, kind: str = "master"):
     """A scripted model that calls ``tool`` once, then says "done"; a session on it."""
-    ModelRecord.objects.create(
-        owner=None, name="coder", protocol=Protocol.SCRIPTED, model="coder",
-        options={"script": [
-            {"text": "", "tool_calls": [{"name": tool, "arguments": {"code": code}}]},
-            {"text": "done"},
-        ]},
+    scripted_model(
+        "coder",
+        {"text": "", "tool_calls": [{"name": tool, "arguments": {"code": code}}]},
+        {"text": "done"},
     )
     packages.package_create(
         owner=user, manifest=demo_manifest(name="coding", model="coder", tools=[tool])

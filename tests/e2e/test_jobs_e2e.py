@@ -6,22 +6,19 @@ import pytest
 
 from agents import packages
 from agents.models import JobRecord
-from pooling.models import ModelRecord, Protocol
 from scheduling.models import Event, Run, RunStatus
-from tests.conftest import client_for, demo_manifest
+from tests.conftest import client_for, demo_manifest, scripted_model
 from tests.e2e.conftest import all_terminal, wait_for
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
 
 def test_it_runs_a_background_job_started_by_an_agent(alice, bob, start_worker):
-    ModelRecord.objects.create(
-        owner=None, name="jobber", protocol=Protocol.SCRIPTED, model="jobber",
-        options={"script": [
-            {"text": "", "tool_calls": [{"name": "run_job", "arguments": {
-                "kind": "echo", "input": {"chunks": ["hello from a job"]}}}]},
-            {"text": "Started it."},
-        ]},
+    scripted_model(
+        "jobber",
+        {"text": "", "tool_calls": [{"name": "run_job", "arguments": {
+            "kind": "echo", "input": {"chunks": ["hello from a job"]}}}]},
+        {"text": "Started it."},
     )
     packages.package_create(owner=alice, manifest=demo_manifest(
         name="jobs", model="jobber", tools=["run_job", "job_status"]))

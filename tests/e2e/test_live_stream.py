@@ -10,10 +10,9 @@ import orjson
 import pytest
 
 from agents import packages
-from pooling.models import ModelRecord, Protocol
 from scheduling import live
 from scheduling.models import Event, Run, RunStatus
-from tests.conftest import client_for, demo_manifest
+from tests.conftest import client_for, demo_manifest, scripted_model
 from tests.e2e.conftest import all_terminal, wait_for
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
@@ -22,18 +21,8 @@ BOUND = 60.0
 
 
 def _package(user, *, words: int, delay_ms: int) -> None:
-    ModelRecord.objects.get_or_create(
-        owner=None,
-        name="streamy",
-        defaults={
-            "protocol": Protocol.SCRIPTED,
-            "model": "streamy",
-            "options": {
-                "token_delay_ms": delay_ms,
-                "script": [{"text": " ".join(f"w{i}" for i in range(words))}],
-            },
-        },
-    )
+    text = " ".join(f"w{i}" for i in range(words))
+    scripted_model("streamy", {"text": text}, token_delay_ms=delay_ms)
     packages.package_create(owner=user, manifest=demo_manifest(name="streamy", model="streamy"))
 
 
@@ -114,18 +103,11 @@ def test_token_deltas_reach_the_stream_while_the_model_streams(alice, start_work
 
 def test_tool_call_argument_deltas_reach_the_stream_before_the_call(alice, start_worker):
     arguments = {"expression": "(2+3)*4 + 100/5 - 7"}
-    ModelRecord.objects.create(
-        owner=None,
-        name="tooly",
-        protocol=Protocol.SCRIPTED,
-        model="tooly",
-        options={
-            "token_delay_ms": 20,
-            "script": [
-                {"text": "", "tool_calls": [{"name": "calculator", "arguments": arguments}]},
-                {"text": "done"},
-            ],
-        },
+    scripted_model(
+        "tooly",
+        {"text": "", "tool_calls": [{"name": "calculator", "arguments": arguments}]},
+        {"text": "done"},
+        token_delay_ms=20,
     )
     packages.package_create(owner=alice, manifest=demo_manifest(name="tooly", model="tooly"))
     api = client_for(alice)

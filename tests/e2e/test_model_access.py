@@ -13,7 +13,7 @@ from agents.models import ManagedAgentRecord
 from pooling.budget import ModelConcurrencyBudget
 from pooling.models import ModelRecord, Protocol
 from scheduling.models import Event, Run, RunStatus
-from tests.conftest import client_for, demo_manifest
+from tests.conftest import client_for, demo_manifest, scripted_model
 from tests.e2e.conftest import all_terminal, wait_for
 from tests.pooling.upstream import ErrorReply, Reply, upstream_fixture
 
@@ -34,10 +34,7 @@ def _run(api, package: str, text: str = "hello") -> str:
 
 
 def _slow_record(name: str = "slow", delay_ms: int = 100, words: int = 20) -> ModelRecord:
-    return ModelRecord.objects.create(
-        owner=None, name=name, protocol=Protocol.SCRIPTED, model=name,
-        options={"token_delay_ms": delay_ms, "script": [{"text": " ".join(["w"] * words)}]},
-    )
+    return scripted_model(name, {"text": " ".join(["w"] * words)}, token_delay_ms=delay_ms)
 
 
 def test_it_suspends_a_run_when_the_budget_queue_is_full_and_resumes_on_retry(

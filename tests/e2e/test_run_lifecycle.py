@@ -11,24 +11,15 @@ from django.utils import timezone
 
 from agents import packages
 from agents.models import ManagedAgentRecord
-from pooling.models import ModelRecord, Protocol
 from scheduling.models import TERMINAL_STATUSES, Event, Run, RunStatus
-from tests.conftest import client_for, demo_manifest
+from tests.conftest import client_for, demo_manifest, scripted_model
 from tests.e2e.conftest import all_terminal, wait_for
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
 
 def _slow_package(user, *, words: int = 40, delay_ms: int = 50) -> None:
-    ModelRecord.objects.get_or_create(
-        owner=None,
-        name="slow",
-        defaults={
-            "protocol": Protocol.SCRIPTED,
-            "model": "slow",
-            "options": {"token_delay_ms": delay_ms, "script": [{"text": " ".join(["w"] * words)}]},
-        },
-    )
+    scripted_model("slow", {"text": " ".join(["w"] * words)}, token_delay_ms=delay_ms)
     packages.package_create(owner=user, manifest=demo_manifest(name="slowpkg", model="slow"))
 
 

@@ -6,9 +6,9 @@ import pytest
 from django.utils import timezone
 
 from agents.models import ManagedAgentRecord
-from pooling.models import ModelRecord, Protocol
+from pooling.models import ModelRecord
 from scheduling.models import Event, Run, RunStatus
-from tests.conftest import client_for, demo_manifest
+from tests.conftest import client_for, demo_manifest, scripted_model, words
 from tests.e2e.conftest import all_terminal, wait_for
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
@@ -86,13 +86,7 @@ def test_it_runs_a_tool_loop_with_durable_events(alice, make_session, start_work
 
 
 def _slow_model(name: str = "slow") -> ModelRecord:
-    return ModelRecord.objects.create(
-        owner=None,
-        name=name,
-        protocol=Protocol.SCRIPTED,
-        model="slow",
-        options={"token_delay_ms": 200, "script": [{"text": " ".join(["word"] * 200)}]},
-    )
+    return scripted_model(name, {"text": words(200, "word")}, token_delay_ms=200)
 
 
 def test_it_cancels_a_running_run(alice, start_worker):
@@ -158,12 +152,8 @@ def test_it_requeues_a_run_whose_worker_died(alice, make_session, start_worker):
 def test_it_fails_a_run_on_an_upstream_error_without_leaking_the_body(alice, start_worker):
     from agents import packages
 
-    ModelRecord.objects.create(
-        owner=None,
-        name="broken",
-        protocol=Protocol.SCRIPTED,
-        model="broken",
-        options={"error": {"status": 400, "body": "<html><title>secret-proxy-page</title></html>"}},
+    scripted_model(
+        "broken", error={"status": 400, "body": "<html><title>secret-proxy-page</title></html>"}
     )
     packages.package_create(owner=alice, manifest=demo_manifest(name="broken", model="broken"))
     api = client_for(alice)
@@ -185,13 +175,7 @@ def test_a_one_step_run_commits_once_and_a_long_ones_start_is_durable_while_it_r
     first commit when that comes within START_COMMIT_DELAY, else alone at that age."""
     from scheduling import store
 
-    ModelRecord.objects.create(
-        owner=None,
-        name="slow",
-        protocol=Protocol.SCRIPTED,
-        model="slow",
-        options={"token_delay_ms": 100, "script": [{"text": " ".join(["w"] * 20)}]},
-    )
+    scripted_model("slow", {"text": words(20)}, token_delay_ms=100)
     make_session(alice)
     make_session(alice, manifest=demo_manifest(name="slowpkg", model="slow"))
     api = client_for(alice)

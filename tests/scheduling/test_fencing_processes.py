@@ -23,10 +23,9 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from pooling.models import ModelRecord, Protocol
 from sageproject.db import database_url
 from scheduling.models import Event, Run, RunStatus, WorkerSnapshot
-from tests.conftest import demo_manifest
+from tests.conftest import demo_manifest, scripted_model, words
 from tests.e2e.conftest import wait_for
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
@@ -93,16 +92,7 @@ def workers(tmp_path: Path) -> Iterator[dict[str, WorkerProcess]]:
 def slow_run(alice) -> Run:
     from agents import packages, services
 
-    ModelRecord.objects.create(
-        owner=None,
-        name="slowfence",
-        protocol=Protocol.SCRIPTED,
-        model="slowfence",
-        options={
-            "token_delay_ms": TOKEN_DELAY_MS,
-            "script": [{"text": " ".join(["word"] * WORDS)}],
-        },
-    )
+    scripted_model("slowfence", {"text": words(WORDS, "word")}, token_delay_ms=TOKEN_DELAY_MS)
     packages.package_create(owner=alice, manifest=demo_manifest(name="slowpkg", model="slowfence"))
     session = services.session_create(owner=alice, package="slowpkg", agent="assistant")
     run, _ = services.run_submit(owner=alice, session_id=session.pk, input="talk slowly")
@@ -158,9 +148,7 @@ def test_it_rejects_every_write_of_a_worker_resumed_after_losing_its_lease(
         snapshot = WorkerSnapshot.objects.filter(
             worker_id__contains=a.owner_marker, heartbeat_at__gt=resumed_at
         ).first()
-        return snapshot is not None and str(slow_run.pk) not in snapshot.capacity["runs"][
-            "running"
-        ]
+        return snapshot is not None and str(slow_run.pk) not in snapshot.capacity["runs"]["running"]
 
     wait_for(a_gave_the_run_up, timeout=30, message="worker A to give the run up")
     a.stop()

@@ -43,7 +43,7 @@ from agents.models import ManagedAgentRecord
 from pooling.models import ModelRecord, Protocol
 from scheduling.models import TERMINAL_STATUSES, Event, Run, RunStatus, Session, WorkerSnapshot
 from scheduling.runs import TERMINAL_EVENTS
-from tests.conftest import demo_manifest
+from tests.conftest import demo_manifest, scripted_model
 from tests.pooling.upstream import (
     ErrorReply,
     RecordedRequest,
@@ -576,20 +576,13 @@ def test_chaos_every_run_completes_once_in_session_order_through_random_kills(
     began = time.monotonic()
     monkeypatch.setitem(settings.SAGE, "SAGE_SERVER_MAX_PENDING_RUNS", total + 100)
     monkeypatch.setitem(settings.SAGE, "SAGE_SERVER_MAX_PENDING_RUNS_PER_USER", total + 100)
-    ModelRecord.objects.create(
-        owner=None,
-        name="chaos",
-        protocol=Protocol.SCRIPTED,
-        model="chaos",
-        # A tool call, then the answer: a run commits at every boundary (claim, start,
-        # append, finish) and takes about 150 ms, so every kill lands mid-work.
-        options={
-            "token_delay_ms": 25,
-            "script": [
-                {"text": "", "tool_calls": [CHAOS_CALL]},
-                {"text": "six times seven is forty-two"},
-            ],
-        },
+    # A tool call, then the answer: a run commits at every boundary (claim, start, append,
+    # finish) and takes about 150 ms, so every kill lands mid-work.
+    scripted_model(
+        "chaos",
+        {"text": "", "tool_calls": [CHAOS_CALL]},
+        {"text": "six times seven is forty-two"},
+        token_delay_ms=25,
     )
     users = [alice, bob, carol]
     for user in users:
