@@ -126,6 +126,33 @@ class RunSerializer(serializers.ModelSerializer):
             "finished_at",
         ]
 
+    def to_representation(self, run: Run) -> dict[str, Any]:
+        """What the fields above give (they stay the schema), built directly: a
+        ModelSerializer builds its sixteen fields anew for every run it renders, a fifth of
+        the CPU of a submission and most of a page of runs."""
+        return {
+            "id": str(run.pk),
+            "session": str(run.session_id),
+            "status": run.status,
+            "queue": run.queue,
+            "priority": run.priority,
+            "input": run.input,
+            "result": run.result,
+            "error": run.error,
+            "interaction": run.interaction,
+            "attempts": run.attempts,
+            "crashes": run.crashes,
+            "cancel_requested": run.cancel_requested,
+            "parent": str(run.parent_id) if run.parent_id is not None else None,
+            "created_at": _TIMESTAMP.to_representation(run.created_at),
+            "started_at": _TIMESTAMP.to_representation(run.started_at),
+            "finished_at": _TIMESTAMP.to_representation(run.finished_at),
+        }
+
+
+# Renders a timestamp as every DateTimeField of the API does.
+_TIMESTAMP = serializers.DateTimeField()
+
 
 class ArchiveSerializer(serializers.ModelSerializer):
     run = serializers.UUIDField(source="run_id")
