@@ -331,7 +331,7 @@ async def _event_stream(session_id: Any, after: int, seconds: float) -> AsyncIte
                         {"type": kind, "run": message.get("run"), "payload": message.get("payload")}
                     )
                     yield b"event: %s\ndata: %s\n\n" % (kind.encode(), body)
-                elif message.get("type") == "committed" and int(message.get("seq", 0)) > after:
+                elif kind == "committed" and int(message.get("seq", 0)) > after:
                     read = True
                 try:
                     message = subscription.queue.get_nowait()

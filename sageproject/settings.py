@@ -95,7 +95,8 @@ ASGI_APPLICATION = "sageproject.asgi.application"
 DATABASES = {"default": SAGE_CONFIG.database}
 if os.environ.get("SAGE_TEST_DB_NAME") and "sqlite" not in DATABASES["default"]["ENGINE"]:
     # The test runner names its databases so that parallel runs on one server don't collide
-    # (SQLite's test database is in memory: a name would make it a file here).
+    # (SQLite's test database is a file the configuration names in the temporary directory;
+    # the runner's name would put it in the working directory).
     DATABASES["default"].setdefault("TEST", {})["NAME"] = os.environ["SAGE_TEST_DB_NAME"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -528,16 +528,20 @@ def _admit(
 
 
 def _admits_in_one_statement(using: str, run: Run, multitask: Multitask) -> bool:
-    """Whether `_admit_pipelined` can admit ``run``: on PostgreSQL (with libpq's pipeline
-    mode), without an idempotency key (whose twin needs a savepoint) and without runs to
-    stop first."""
-    connection = connections[using]
+    """Whether `_admit_pipelined` can admit ``run``: on PostgreSQL, without an idempotency
+    key (whose twin needs a savepoint) and without runs to stop first."""
     return (
-        connection.vendor == "postgresql"
+        connections[using].vendor == "postgresql"
         and run.idempotency_key is None
         and multitask in (Multitask.ENQUEUE, Multitask.REJECT)
-        and _pipeline_supported()
     )
+
+
+def _pipelined(raw: Any) -> Any:
+    """libpq's pipeline mode on the psycopg connection ``raw``: the statements issued in
+    it go out together, one round trip, and run in order (without it, where libpq is too
+    old, one round trip each — the same statements, the same results)."""
+    return raw.pipeline() if _pipeline_supported() else nullcontext()
 
 
 @functools.cache
@@ -550,8 +554,8 @@ def _pipeline_supported() -> bool:
 def _admit_pipelined(run: Run, multitask: Multitask, using: str) -> Run:
     """`_admit` on PostgreSQL in one round trip (then the commit): the session row's lock,
     and one statement that reads whether the session is busy, takes the pending places
-    (`pending.take_ctes`), inserts the run and notifies the workers — sent together in
-    libpq's pipeline mode. The second statement starts after the lock is held, so what it
+    (`pending.take_ctes`), inserts the run and notifies the workers — sent together
+    (`_pipelined`). The second statement starts after the lock is held, so what it
     reads is from after any wait for it."""
     connection = connections[using]
     quote = connection.ops.quote_name
@@ -598,7 +602,7 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str) -> Run:
     ]
     lock_sql = f"SELECT 1 FROM {session_table} WHERE id = %s AND owner_id = %s FOR UPDATE"
     raw = connection.connection
-    with connection.wrap_database_errors, raw.pipeline():
+    with connection.wrap_database_errors, _pipelined(raw):
         raw.cursor().execute(lock_sql, [run.session_id, run.owner_id])
         cursor = raw.cursor()
         cursor.execute(sql, params)
@@ -675,18 +679,17 @@ def claim(
     def attempt() -> tuple[list[Grant], list[str]]:
         postgres = connection.vendor == "postgresql"
         with _claim_guard(connection), transaction.atomic(using=db):
-            owners = None
-            if postgres and not reap and _pipeline_supported():
+            running: dict[Any, int] | None = None
+            owners: list[Any] | None = None
+            if postgres:
                 # The claim lock, the tokens and what picking needs in one round trip.
                 first_token, running, owners = _claim_reads(connection, limit, queue)
-                reaped = []
             else:
-                if postgres:
-                    # The claim lock and this claim's range of fencing tokens together.
-                    first_token = _reserve_tokens(connection, limit)
-                else:
-                    first_token = _fence_row(db).value + 1
-                reaped = _reap_locked(db, clock, max_crashes) if reap else []
+                first_token = _fence_row(db).value + 1
+            reaped = _reap_locked(db, clock, max_crashes) if reap else []
+            if running is None or reaped:
+                # Read (again) after the reaper changed who runs and what is queued.
+                owners = None
                 with connection.cursor() as cursor:
                     cursor.execute(_running_query(connection))
                     running = dict(cursor.fetchall())
@@ -743,13 +746,14 @@ def claim(
 def _claim_reads(
     connection: Any, count: int, queue: str | None
 ) -> tuple[int, dict[Any, int], list[Any]]:
-    """PostgreSQL, in one round trip (libpq's pipeline mode): the claim transaction's idle
-    timeout, the claim lock with ``count`` fencing tokens (as `_reserve_tokens`), the
-    running runs per user and the users with ready queued runs — read after the lock is
-    held, as the statements run in order. Returns (first token, running, owners)."""
+    """PostgreSQL, in one round trip (`_pipelined`): the claim transaction's idle timeout,
+    the claim lock (the fence-sequence row) with a range of ``count`` fencing tokens — unused
+    ones are skipped: tokens only have to increase — then the running runs per user and the
+    users with ready queued runs, read after the lock is held, as the statements run in
+    order. Returns (first token, running, owners)."""
     table = connection.ops.quote_name(FenceSequence._meta.db_table)
     raw = connection.connection
-    with connection.wrap_database_errors, raw.pipeline():
+    with connection.wrap_database_errors, _pipelined(raw):
         raw.cursor().execute(
             f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}"
         )
@@ -769,23 +773,6 @@ def _claim_reads(
         dict(running.fetchall()),
         [o for (o,) in owners.fetchall()],
     )
-
-
-def _reserve_tokens(connection: Any, count: int) -> int:
-    """PostgreSQL: lock the fence-sequence row (the claim lock) and take ``count`` fencing
-    tokens from it in one round trip, with the claim transaction's idle timeout; returns
-    the first. Unused tokens are skipped: tokens only have to increase."""
-    table = connection.ops.quote_name(FenceSequence._meta.db_table)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS};"
-            f" UPDATE {table} SET value = value + {int(count)} WHERE id = 1 RETURNING value"
-        )
-        cursor.nextset()
-        row = cursor.fetchone()
-    if row is None:
-        raise _FenceRowMissing
-    return row[0] - count + 1
 
 
 def _lease(

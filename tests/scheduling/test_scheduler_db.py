@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.db import close_old_connections, transaction
+from django.db import close_old_connections, connection, transaction
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from agents.models import ManagedAgentRecord
@@ -255,6 +256,36 @@ async def test_it_draws_tokens_from_the_fence_sequence_row(rows: Rows):
     second = await _claim(scheduler)
     assert second.fencing_token == first.fencing_token + 1
     assert (await FenceSequence.objects.aget(pk=1)).value == second.fencing_token
+
+
+async def test_only_the_claim_after_a_run_wake_up_skips_the_look_for_work(monkeypatch):
+    """Idle polls look for work before taking the claim lock (a worker frozen inside the
+    claim transaction would stall every other worker's claims); a ``run`` wake-up sends the
+    next claim, and only that one, straight to its transaction."""
+    looked: list[bool] = []
+    claim = runs.claim
+
+    def recording(**kwargs: Any) -> Any:
+        looked.append(kwargs["look_first"])
+        return claim(**kwargs)
+
+    monkeypatch.setattr(runs, "claim", recording)
+    scheduler = DatabaseScheduler()
+    await scheduler.claim_many("w", lease_duration=LEASE, limit=4)
+    scheduler.notify(pushed=True)
+    await scheduler.claim_many("w", lease_duration=LEASE, limit=4)
+    scheduler.notify()
+    await scheduler.claim_many("w", lease_duration=LEASE, limit=4)
+    assert looked == [True, False, True]
+
+
+def test_a_claim_that_looks_first_takes_no_lock_when_nothing_is_queued():
+    with CaptureQueriesContext(connection) as idle:
+        assert runs.claim(worker_id="w", duration=LEASE, reap=False) == ([], [])
+    assert len(idle) == 1  # the look, outside any transaction
+    with CaptureQueriesContext(connection) as pushed:
+        assert runs.claim(worker_id="w", duration=LEASE, reap=False, look_first=False) == ([], [])
+    assert any(q["sql"].startswith("BEGIN") for q in pushed)  # the claim transaction ran
 
 
 async def test_it_counts_the_quota_from_running_root_runs_in_the_database(rows: Rows):

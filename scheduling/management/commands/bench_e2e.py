@@ -649,13 +649,15 @@ class KeepAliveClient:
         )
         self.writer.write(head.encode() + body)
         status_line = await self.reader.readline()
-        length = 0
+        length = None
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.partition(b":")
             if name.strip().lower() == b"content-length":
                 length = int(value)
-        if length:
-            await self.reader.readexactly(length)
+        if length is None:
+            # Anything else (a chunked body) would leave the next answer misread.
+            raise CommandError(f"{status_line.decode().strip()} came without Content-Length")
+        await self.reader.readexactly(length)
         return int(status_line.split()[1])
 
     async def close(self) -> None:
