@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 from sageproject import config as sage_config
+from sageproject import pgpool
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 LOCAL_DIR = Path(os.environ.get("SAGE_LOCAL_DIR", BASE_DIR / ".local"))
@@ -98,6 +99,10 @@ if os.environ.get("SAGE_TEST_DB_NAME") and "sqlite" not in DATABASES["default"][
     # (SQLite's test database is a file the configuration names in the temporary directory;
     # the runner's name would put it in the working directory).
     DATABASES["default"].setdefault("TEST", {})["NAME"] = os.environ["SAGE_TEST_DB_NAME"]
+if isinstance(_pool := DATABASES["default"].get("OPTIONS", {}).get("pool"), dict):
+    # The pool's health check without a round trip per checkout (sageproject.pgpool).
+    _pool.setdefault("check", pgpool.check)
+    _pool.setdefault("reset", pgpool.given_back)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -121,7 +126,7 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = SAGE["SAGE_MAX_REQUEST_BYTES"]
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "sageproject.authentication.TokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],

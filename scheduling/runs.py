@@ -485,13 +485,17 @@ def _admit(
         priority=priority,
         admission_slot=pending.pick(slot),
     )
+    one_statement = _admits_in_one_statement(using, run, multitask)
+    if one_statement and not connections[using].in_atomic_block:
+        # Its own transaction, begun and committed in the same round trip.
+        return _admit_pipelined(run, multitask, using, commit=True), True
     with transaction.atomic(using=using):
         if idempotency_key:
             existing = runs.filter(owner_id=owner_id, idempotency_key=idempotency_key).first()
             if existing is not None:
                 return existing, False
-        if _admits_in_one_statement(using, run, multitask):
-            return _admit_pipelined(run, multitask, using), True
+        if one_statement:
+            return _admit_pipelined(run, multitask, using, commit=False), True
         # The session row's lock orders this admission against the session's finishing
         # run (which hands the session's turn on under the same lock).
         locked = Session.objects.using(using).filter(pk=session_id, owner_id=owner_id)
@@ -544,6 +548,17 @@ def _pipelined(raw: Any) -> Any:
     return raw.pipeline() if _pipeline_supported() else nullcontext()
 
 
+# libpq's PQTRANS_IDLE: no transaction open on the connection.
+_IDLE = 0
+
+
+@functools.cache
+def _division_by_zero() -> type[Exception]:
+    import psycopg
+
+    return psycopg.errors.DivisionByZero
+
+
 @functools.cache
 def _pipeline_supported() -> bool:
     import psycopg
@@ -551,12 +566,18 @@ def _pipeline_supported() -> bool:
     return psycopg.Pipeline.is_supported()
 
 
-def _admit_pipelined(run: Run, multitask: Multitask, using: str) -> Run:
-    """`_admit` on PostgreSQL in one round trip (then the commit): the session row's lock,
-    and one statement that reads whether the session is busy, takes the pending places
-    (`pending.take_ctes`), inserts the run and notifies the workers — sent together
-    (`_pipelined`). The second statement starts after the lock is held, so what it
-    reads is from after any wait for it."""
+def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool) -> Run:
+    """`_admit` on PostgreSQL in one round trip: the session row's lock, and one statement
+    that reads whether the session is busy, takes the pending places (`pending.take_ctes`),
+    inserts the run and notifies the workers — sent together (`_pipelined`). The second
+    statement starts after the lock is held, so what it reads is from after any wait for it.
+
+    With ``commit`` (no transaction is open) the round trip also begins and commits the
+    transaction: a guard statement between the insert and the ``COMMIT`` fails when the run
+    was not inserted, which aborts the transaction — a place taken in the host's stripe
+    while the user's was refused is never committed — and the statement's row, already
+    received, says why. Without ``commit`` it runs in the caller's transaction, which the
+    exception raised here rolls back."""
     connection = connections[using]
     quote = connection.ops.quote_name
     run_table, session_table = quote(Run._meta.db_table), quote(Session._meta.db_table)
@@ -601,11 +622,29 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str) -> Run:
         pending.user_scope(run.owner_id),
     ]
     lock_sql = f"SELECT 1 FROM {session_table} WHERE id = %s AND owner_id = %s FOR UPDATE"
+    # 1 / 0 (division_by_zero) when the run is not there: the transaction aborts.
+    guard_sql = f"SELECT 1 / (SELECT count(*)::int FROM {run_table} WHERE id = %s)"
+    connection.ensure_connection()
     raw = connection.connection
-    with connection.wrap_database_errors, _pipelined(raw):
-        raw.cursor().execute(lock_sql, [run.session_id, run.owner_id])
-        cursor = raw.cursor()
-        cursor.execute(sql, params)
+    with connection.wrap_database_errors:
+        try:
+            with _pipelined(raw):
+                if commit:
+                    raw.execute("BEGIN")
+                raw.cursor().execute(lock_sql, [run.session_id, run.owner_id])
+                cursor = raw.cursor()
+                cursor.execute(sql, params)
+                if commit:
+                    raw.cursor().execute(guard_sql, [run.pk])
+                    raw.execute("COMMIT")
+        except Exception as exc:
+            if commit:
+                if raw.pgconn.transaction_status != _IDLE:
+                    raw.execute("ROLLBACK")
+                if not isinstance(exc, _division_by_zero()):
+                    raise
+            else:
+                raise
     found, busy, host, user, ready, _, user_row = cursor.fetchone()
     if not found:
         raise NotFoundError("session.not_found", "session not found")

@@ -1,0 +1,85 @@
+"""The PostgreSQL pool's health check (sageproject.pgpool): no round trip for a connection
+given back moments ago, and still no dead connection handed out after the server ended it."""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+import pytest
+from django.db import connection, connections
+from psycopg_pool import ConnectionPool
+
+from sageproject import pgpool
+
+pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def raw_connection():
+    if connection.vendor != "postgresql":
+        pytest.skip("the pool is PostgreSQL's")
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    conn = psycopg.connect(**params, autocommit=True)
+    yield conn
+    conn.close()
+
+
+@pytest.fixture
+def full_checks(monkeypatch):
+    calls = []
+    real = ConnectionPool.check_connection
+    monkeypatch.setattr(
+        ConnectionPool, "check_connection", staticmethod(lambda c: (calls.append(c), real(c)))
+    )
+    return calls
+
+
+def terminate(conn) -> None:
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [conn.info.backend_pid])
+
+
+def test_a_connection_given_back_moments_ago_is_handed_out_without_a_query(
+    raw_connection, full_checks
+):
+    pgpool.given_back(raw_connection)
+    pgpool.check(raw_connection)
+    assert full_checks == []
+
+
+def test_a_connection_never_given_back_or_idle_long_is_checked(
+    raw_connection, full_checks, monkeypatch
+):
+    pgpool.check(raw_connection)  # never given back
+    monkeypatch.setattr(pgpool, "RECHECK_AFTER", 0.0)
+    pgpool.given_back(raw_connection)
+    pgpool.check(raw_connection)  # idle longer than RECHECK_AFTER
+    assert full_checks == [raw_connection, raw_connection]
+
+
+def test_a_connection_the_server_ended_is_refused_at_once(raw_connection):
+    pgpool.given_back(raw_connection)
+    terminate(raw_connection)
+    for _ in range(100):  # the server's goodbye reaches the socket within moments
+        if not pgpool._quiet(raw_connection):
+            break
+        time.sleep(0.01)
+    with pytest.raises(psycopg.OperationalError):
+        pgpool.check(raw_connection)
+
+
+def test_the_orm_never_gets_a_connection_the_server_ended(raw_connection):
+    if connection.pool is None:
+        pytest.skip("the database is configured without the pool")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        first = cursor.fetchone()[0]
+    connection.close()  # back to the pool: given back just now
+    raw_connection.execute("SELECT pg_terminate_backend(%s)", [first])
+    time.sleep(0.2)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        assert cursor.fetchone()[0] != first
