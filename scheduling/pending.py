@@ -159,12 +159,13 @@ def take_ctes(quote: Any, owner_id: Any, slot: int, guard: str) -> tuple[str, li
         f"host_place AS ({_take_sql(quote)} AND ({guard}) RETURNING 1),"
         f" user_place AS ({_take_sql(quote)} AND EXISTS (SELECT 1 FROM host_place) RETURNING 1)"
     )
-    return sql, [
-        host_scope(slot),
-        stripe_cap(slot, host_limit()),
-        user_scope(owner_id),
-        user_limit(),
-    ]
+    return sql, take_params(owner_id, slot)
+
+
+def take_params(owner_id: Any, slot: int) -> list[Any]:
+    """The parameters of `take_ctes`'s SQL for ``owner_id`` in stripe ``slot``, in order
+    (the guard's own parameters go between the second and the third)."""
+    return [host_scope(slot), stripe_cap(slot, host_limit()), user_scope(owner_id), user_limit()]
 
 
 def user_row_sql(quote: Any) -> str:

@@ -548,6 +548,41 @@ def _pipelined(raw: Any) -> Any:
     return raw.pipeline() if _pipeline_supported() else nullcontext()
 
 
+@functools.cache
+def _admission_statements(using: str) -> tuple[str, str, str, tuple[Any, ...]]:
+    """`_admit_pipelined`'s statements on database ``using`` — the session lock, the
+    admission, the guard — and the run's fields whose values the admission's parameters
+    carry, in order ("ready" is computed in SQL). Built once per database: they depend only
+    on its quoting."""
+    quote = connections[using].ops.quote_name
+    run_table, session_table = quote(Run._meta.db_table), quote(Session._meta.db_table)
+    places, _ = pending.take_ctes(quote, 0, 0, "SELECT found AND NOT (busy AND %s) FROM b")
+    columns, values, fields = [], [], []
+    for field in Run._meta.concrete_fields:
+        columns.append(quote(field.column))
+        if field.name == "ready":
+            values.append("NOT (SELECT busy FROM b)")
+        else:
+            values.append("%s")
+            fields.append(field)
+    sql = (
+        f"WITH b AS (SELECT EXISTS (SELECT 1 FROM {run_table} WHERE session_id = %s"
+        f" AND status IN ({', '.join(['%s'] * len(UNFINISHED_STATUSES))})) AS busy,"
+        f" EXISTS (SELECT 1 FROM {session_table} WHERE id = %s AND owner_id = %s) AS found),"
+        f" {places},"
+        f" r AS (INSERT INTO {run_table} ({', '.join(columns)}) SELECT {', '.join(values)}"
+        f" WHERE EXISTS (SELECT 1 FROM user_place) RETURNING ready),"
+        f" n AS (SELECT pg_notify(%s, %s) FROM r WHERE ready AND %s)"
+        f" SELECT found, busy, EXISTS (SELECT 1 FROM host_place),"
+        f" EXISTS (SELECT 1 FROM user_place), (SELECT ready FROM r),"
+        f" (SELECT count(*) FROM n), {pending.user_row_sql(quote)} FROM b"
+    )
+    lock_sql = f"SELECT 1 FROM {session_table} WHERE id = %s AND owner_id = %s FOR UPDATE"
+    # 1 / 0 (division_by_zero) when the run is not there: the transaction aborts.
+    guard_sql = f"SELECT 1 / (SELECT count(*)::int FROM {run_table} WHERE id = %s)"
+    return lock_sql, sql, guard_sql, tuple(fields)
+
+
 # libpq's PQTRANS_IDLE: no transaction open on the connection.
 _IDLE = 0
 
@@ -579,51 +614,24 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool
     received, says why. Without ``commit`` it runs in the caller's transaction, which the
     exception raised here rolls back."""
     connection = connections[using]
-    quote = connection.ops.quote_name
-    run_table, session_table = quote(Run._meta.db_table), quote(Session._meta.db_table)
-    statuses = list(UNFINISHED_STATUSES)
+    lock_sql, sql, guard_sql, fields = _admission_statements(using)
     reject = multitask is Multitask.REJECT
-    places, place_params = pending.take_ctes(
-        quote, run.owner_id, run.admission_slot, "SELECT found AND NOT (busy AND %s) FROM b"
-    )
-    columns, values, value_params = [], [], []
-    for field in Run._meta.concrete_fields:
-        columns.append(quote(field.column))
-        if field.name == "ready":
-            values.append("NOT (SELECT busy FROM b)")
-        else:
-            values.append("%s")
-            value_params.append(field.get_db_prep_save(field.pre_save(run, True), connection))
+    places = pending.take_params(run.owner_id, run.admission_slot)
     notify = wakeups.backend(using) == "postgresql"
-    sql = (
-        f"WITH b AS (SELECT EXISTS (SELECT 1 FROM {run_table} WHERE session_id = %s"
-        f" AND status IN ({', '.join(['%s'] * len(statuses))})) AS busy,"
-        f" EXISTS (SELECT 1 FROM {session_table} WHERE id = %s AND owner_id = %s) AS found),"
-        f" {places},"
-        f" r AS (INSERT INTO {run_table} ({', '.join(columns)}) SELECT {', '.join(values)}"
-        f" WHERE EXISTS (SELECT 1 FROM user_place) RETURNING ready),"
-        f" n AS (SELECT pg_notify(%s, %s) FROM r WHERE ready AND %s)"
-        f" SELECT found, busy, EXISTS (SELECT 1 FROM host_place),"
-        f" EXISTS (SELECT 1 FROM user_place), (SELECT ready FROM r),"
-        f" (SELECT count(*) FROM n), {pending.user_row_sql(quote)} FROM b"
-    )
     params = [
         run.session_id,
-        *statuses,
+        *UNFINISHED_STATUSES,
         run.session_id,
         run.owner_id,
-        *place_params[:2],
+        *places[:2],
         reject,
-        *place_params[2:],
-        *value_params,
+        *places[2:],
+        *(field.get_db_prep_save(field.pre_save(run, True), connection) for field in fields),
         wakeups.CHANNEL,
         "run",
         notify,
         pending.user_scope(run.owner_id),
     ]
-    lock_sql = f"SELECT 1 FROM {session_table} WHERE id = %s AND owner_id = %s FOR UPDATE"
-    # 1 / 0 (division_by_zero) when the run is not there: the transaction aborts.
-    guard_sql = f"SELECT 1 / (SELECT count(*)::int FROM {run_table} WHERE id = %s)"
     connection.ensure_connection()
     raw = connection.connection
     with connection.wrap_database_errors:
