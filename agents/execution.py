@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 from django.conf import settings
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from agents.code_tools import CodeToolsRuntime
@@ -147,7 +147,9 @@ def find_model_record(owner_id: int, name: str) -> ModelRecord:
     """The owner's record of that name, else the shared one."""
     record = (
         ModelRecord.objects.filter(Q(owner_id=owner_id) | Q(owner__isnull=True), name=name)
-        .order_by("owner_id")  # the owner's own record before the shared one
+        # The owner's own record before the shared one (NULL sorts first on SQLite and
+        # MySQL, last on PostgreSQL: say where).
+        .order_by(F("owner_id").asc(nulls_last=True))
         .first()
     )
     if record is None:
@@ -167,8 +169,9 @@ def record_view(record: ModelRecord) -> ModelRecordView:
     )
 
 
-# Errors of this host's own bounded resources: the run is suspended (nothing was sent to
-# the provider) and a reply with decision "retry" resumes it.
+# Errors of this host's own bounded resources (nothing was sent to the provider) and the
+# provider's own rate limit (a 429, with or without Retry-After: nothing of the step was
+# kept): the run is suspended and a reply with decision "retry" resumes it.
 SUSPENDING_CODES = frozenset(
     {
         "model.queue_full",
@@ -176,6 +179,7 @@ SUSPENDING_CODES = frozenset(
         "server.model_pool_full",
         "management.capacity",
         "management.draining",
+        "upstream.rate_limited",
     }
 )
 
@@ -895,15 +899,20 @@ class RunExecutor:
     def _suspension(self, error: SageError, prepared: PreparedRun) -> Outcome:
         """Park the run as ``suspended`` with an interaction a reply can resolve."""
         logger.info("run %s suspends: %s", prepared.run_id, error.code)
+        interaction = {
+            "id": uuid.uuid4().hex,
+            "type": "retry",
+            **error.record(),
+            "allowed_decisions": ["retry", "cancel"],
+        }
+        retry_after = error.details.get("retry_after")
+        if isinstance(retry_after, int | float) and not isinstance(retry_after, bool):
+            # When a retry may succeed (an upstream 429's Retry-After, or its default).
+            interaction["retry_after"] = retry_after
         return Outcome(
             status=RunStatus.SUSPENDED,
             session_id=prepared.session_id,
-            interaction={
-                "id": uuid.uuid4().hex,
-                "type": "retry",
-                **error.record(),
-                "allowed_decisions": ["retry", "cancel"],
-            },
+            interaction=interaction,
         )
 
     async def _run_flow(

@@ -21,11 +21,19 @@ from .base import (
     ToolCall,
     ToolCallDelta,
     record_options,
+    stream_text,
 )
 from .errors import (
     ANTHROPIC_ERROR_STATUS,
+    ENDED_EARLY,
+    NO_EVENTS,
+    UNDECODABLE_BODY,
+    broken_stream,
+    client_secrets,
     connection_error,
+    invalid_response,
     parse_error_body,
+    require_event_stream,
     retry_after_from_headers,
     upstream_error,
 )
@@ -131,7 +139,8 @@ class AnthropicAdapter:
         await client.close()
 
     def transform_error(self, status: int, body: bytes | str) -> str | None:
-        """A short reason from an Anthropic (or other known) error body, else ``None``."""
+        """The vetted short reason of an Anthropic (or other known) error body — the
+        provider's error type or code — else ``None`` (see ``parse_error_body``)."""
         return parse_error_body(body)
 
     async def stream(self, client: Any, request: ModelRequest) -> AsyncIterator[StreamItem]:
@@ -140,7 +149,9 @@ class AnthropicAdapter:
 
         ``input_json_delta`` fragments are passed on (``ToolCallDelta``) and accumulated per
         block, and parsed when the block stops. Raises ``UpstreamError`` for HTTP errors,
-        ``error`` events inside the stream, connection failures and timeouts.
+        ``error`` events inside the stream, connection failures and timeouts, and an invalid
+        response: a 200 that is not an event stream, an undecodable or malformed stream, or
+        one that ends without a stop reason or ``message_stop``.
         """
         options = request.options or {}
         kwargs: dict[str, Any] = {
@@ -162,33 +173,39 @@ class AnthropicAdapter:
         if extra_body:
             kwargs["extra_body"] = extra_body
 
-        secrets = (str(getattr(client, "api_key", "") or ""),)
+        secrets = client_secrets(client)
         tools: dict[int, dict[str, Any]] = {}
         stop_reason = "end_turn"
         usage = {"input_tokens": 0, "output_tokens": 0}
+        events = 0
+        finished = False
+        last: Any = None
         try:
             stream = await client.messages.create(**kwargs)
             try:
+                await require_event_stream(stream.response, adapter=self, secrets=secrets)
                 async for event in stream:
+                    last = event
+                    events += 1
                     kind = getattr(event, "type", None)
                     if kind == "message_start":
                         message_usage = getattr(event.message, "usage", None)
                         if message_usage is not None:
-                            usage["input_tokens"] = message_usage.input_tokens or 0
-                            usage["output_tokens"] = message_usage.output_tokens or 0
+                            usage["input_tokens"] = int(message_usage.input_tokens or 0)
+                            usage["output_tokens"] = int(message_usage.output_tokens or 0)
                     elif kind == "content_block_start":
                         block = event.content_block
                         if block.type == "tool_use":
                             tools[event.index] = {"id": block.id, "name": block.name, "parts": []}
                         elif block.type == "text" and block.text:
-                            yield TextDelta(text=block.text)
+                            yield TextDelta(text=stream_text(block.text))
                     elif kind == "content_block_delta":
                         delta = event.delta
                         if delta.type == "text_delta" and delta.text:
-                            yield TextDelta(text=delta.text)
+                            yield TextDelta(text=stream_text(delta.text))
                         elif delta.type == "input_json_delta" and event.index in tools:
                             call = tools[event.index]
-                            call["parts"].append(delta.partial_json)
+                            call["parts"].append(stream_text(delta.partial_json or ""))
                             if delta.partial_json:
                                 yield ToolCallDelta(
                                     index=event.index,
@@ -206,31 +223,52 @@ class AnthropicAdapter:
                             )
                     elif kind == "message_delta":
                         if event.delta.stop_reason:
-                            stop_reason = event.delta.stop_reason
+                            stop_reason = str(event.delta.stop_reason)
+                            finished = True
                         if event.usage is not None and event.usage.output_tokens is not None:
-                            usage["output_tokens"] = event.usage.output_tokens
+                            usage["output_tokens"] = int(event.usage.output_tokens)
                         input_tokens = getattr(event.usage, "input_tokens", None)
                         if input_tokens:
-                            usage["input_tokens"] = input_tokens
+                            usage["input_tokens"] = int(input_tokens)
+                    elif kind == "message_stop":
+                        finished = True
+            except (ValueError, AttributeError, TypeError) as exc:
+                # Bytes that are not UTF-8, broken JSON, an event of the wrong shape: the
+                # provider's fault, never an internal error of the run.
+                raise broken_stream(exc, event=last, adapter=self, secrets=secrets) from None
             finally:
                 # Ends the HTTP response even when the consumer stops early (aclose/cancel).
                 await stream.close()
         except anthropic.APIStatusError as exc:
             raise self._status_error(exc, secrets) from None
         except anthropic.APITimeoutError as exc:
-            raise connection_error("timed out", cause=exc) from None
+            raise connection_error("timed out", cause=exc, secrets=secrets) from None
         except anthropic.APIConnectionError as exc:
-            raise connection_error("connection failed", cause=exc) from None
+            raise connection_error("connection failed", cause=exc, secrets=secrets) from None
         except httpx2.TimeoutException as exc:
             # Mid-stream read timeouts escape the SDK unwrapped.
-            raise connection_error("timed out", cause=exc) from None
+            raise connection_error("timed out", cause=exc, secrets=secrets) from None
+        except httpx2.DecodingError as exc:
+            # A body whose content encoding (gzip, ...) does not decode.
+            raise invalid_response(
+                UNDECODABLE_BODY, adapter=self, secrets=secrets, error=repr(exc)
+            ) from None
         except httpx2.TransportError as exc:
             # So does a connection dropped mid-stream.
-            raise connection_error("connection lost", cause=exc) from None
+            raise connection_error("connection lost", cause=exc, secrets=secrets) from None
         except anthropic.APIError as exc:
             body = json.dumps({"type": "error", "error": exc.body if exc.body else exc.message})
             raise upstream_error(None, body, adapter=self, secrets=secrets) from None
 
+        if not finished:
+            # A body that ended without a stop reason or ``message_stop`` (no events at all,
+            # or cut off mid-token) is never a success: the answer may be missing or partial.
+            raise invalid_response(
+                NO_EVENTS if events == 0 else ENDED_EARLY,
+                adapter=self,
+                secrets=secrets,
+                events=events,
+            )
         yield StreamEnd(stop_reason=stop_reason, usage=usage)
 
     def _status_error(self, exc: anthropic.APIStatusError, secrets: tuple[str, ...]) -> Exception:

@@ -1,30 +1,71 @@
-"""Upstream error handling shared by every provider adapter.
+"""The one place where upstream (model provider) responses become errors.
 
-Each vendor formats errors differently, so each adapter's ``transform_error`` turns a
-status and a raw body into a short human reason; the parsing of the envelopes we know
-(OpenAI-compatible servers, Anthropic, Gemini, Ollama, Mistral, HTML error pages) lives here
-once and adapters call it. ``upstream_error`` then builds the one ``UpstreamError`` the rest
-of the system sees. The raw body is written to the ``sage.upstream`` log at WARNING and
-nowhere else: never into an error's message or details, an API response or an event.
+Every adapter hands its failures here: an HTTP error status with its body
+(``upstream_error``), a 200 that is not a usable event stream (``require_event_stream``,
+``invalid_response``, ``broken_stream``) and a transport failure (``connection_error``).
+Each builds the one ``UpstreamError`` the rest of the system sees.
+
+What a client sees is our own message for the kind of failure, followed by at most a
+vetted short reason: the HTTP status and the provider's error type or code when that is a
+short identifier (``invalid_api_key``, ``overloaded_error``), or a label of our own (``HTML
+error page``, ``not an event stream``). Free text from the body (a JSON ``message``, an HTML
+``<title>``) never reaches an error's message or details, so never an API response, an
+event, the admin or the database. The raw body goes to the ``sage.upstream`` log at
+WARNING and nowhere else, after ``redact`` removed the record's credentials and anything
+shaped like a key.
 """
 
 from __future__ import annotations
 
 import email.utils
-import html
 import json
 import logging
 import re
 import time
+import urllib.parse
 from typing import Any
 
 from sageproject.errors import ErrorCategory, UpstreamError
 
 logger = logging.getLogger("sage.upstream")
 
-MAX_REASON_CHARS = 200
 # Enough of a body to diagnose it from the log without letting one huge page flood it.
 MAX_LOGGED_BODY_CHARS = 8192
+# The delay a rate-limited run is told to wait when the provider's 429 named none.
+DEFAULT_RETRY_AFTER_SECONDS = 30.0
+
+# Our own message for each kind of upstream failure.
+AUTH_MESSAGE = "the provider rejected the credentials"
+RATE_LIMITED_MESSAGE = "the provider's rate limit was reached; retry later"
+REJECTED_MESSAGE = "the provider rejected the request"
+FAILED_MESSAGE = "the provider failed"
+INVALID_RESPONSE_MESSAGE = "invalid response from the provider"
+
+# Labels of our own for what was wrong with a body; they may follow any message.
+HTML_PAGE = "HTML error page"
+NOT_AN_EVENT_STREAM = "not an event stream"
+NO_EVENTS = "no events"
+ENDED_EARLY = "stream ended early"
+BROKEN_EVENT_STREAM = "broken event stream"
+NOT_UTF8 = "not UTF-8"
+MALFORMED_EVENT = "malformed event"
+UNDECODABLE_BODY = "undecodable body"
+OWN_LABELS = frozenset(
+    {
+        HTML_PAGE,
+        NOT_AN_EVENT_STREAM,
+        NO_EVENTS,
+        ENDED_EARLY,
+        BROKEN_EVENT_STREAM,
+        NOT_UTF8,
+        MALFORMED_EVENT,
+        UNDECODABLE_BODY,
+    }
+)
+# A provider's error type or code is passed on only when it looks like an identifier:
+# ``rate_limit_exceeded``, ``RESOURCE_EXHAUSTED``; a sentence (or a host name) is free text
+# and is dropped.
+_IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_\-]{0,47}")
 
 # Anthropic reports errors inside a 200 stream as ``event: error``; these are the statuses
 # the same error type carries as an HTTP response, so mid-stream errors map like any other.
@@ -43,14 +84,20 @@ ANTHROPIC_ERROR_STATUS: dict[str, int] = {
 
 # Key-shaped strings some upstreams echo back ("Incorrect API key provided: sk-...").
 _SECRET_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"\bsk-[A-Za-z0-9_\-*.]{6,}"), "***"),
+    (re.compile(r"\b(?:sk|xai|pk)-[A-Za-z0-9_\-*.]{6,}"), "***"),
+    (re.compile(r"\b(?:gsk|hf|r8|ghp|github_pat)_[A-Za-z0-9_]{8,}"), "***"),
     (re.compile(r"\bAIza[0-9A-Za-z_\-]{8,}"), "***"),
+    (re.compile(r"\bAKIA[0-9A-Z]{12,}"), "***"),
     (re.compile(r"(?i)\b(bearer\s+)[^\s\"',;]+"), r"\1***"),
     (re.compile(r"(?i)\b((?:api[_-]?key|key|token|access_token)=)[^\s&\"',;]+"), r"\1***"),
+    (
+        re.compile(
+            r"(?i)(\"(?:api[_-]?key|x-api-key|authorization|access[_-]?token|secret|password)\""
+            r"\s*:\s*\")(?:[^\"\\]|\\.)*\""
+        ),
+        r'\1***"',
+    ),
 )
-_TAG = re.compile(r"<[^>]+>")
-_TITLE = re.compile(r"<title[^>]*>(.*?)</title\s*>", re.IGNORECASE | re.DOTALL)
-_HEADING = re.compile(r"<h([1-3])[^>]*>(.*?)</h\1\s*>", re.IGNORECASE | re.DOTALL)
 _HTML_START = re.compile(r"^\s*(?:<!doctype\s+html|<html|<head|<body|<title|<h1)", re.IGNORECASE)
 
 
@@ -64,128 +111,69 @@ def decode_body(body: bytes | str | None) -> str:
 
 
 def redact(text: str, secrets: tuple[str, ...] | list[str] = ()) -> str:
-    """``text`` with the given secrets and anything key-shaped replaced by ``***``."""
+    """``text`` with the given secrets (also as JSON- or URL-escaped) and anything
+    key-shaped replaced by ``***``."""
     for secret in secrets:
         # Very short "secrets" (placeholder keys) would mangle ordinary words.
-        if secret and len(secret) >= 6:
-            text = text.replace(secret, "***")
+        if not secret or len(secret) < 6:
+            continue
+        escaped = json.dumps(secret)[1:-1]
+        # JSON as Python writes it, as some servers write it ("\/"), and URL-encoded.
+        forms = {secret, escaped, escaped.replace("/", "\\/"), urllib.parse.quote(secret, safe="")}
+        for form in sorted(forms, key=len, reverse=True):
+            text = text.replace(form, "***")
     for pattern, replacement in _SECRET_PATTERNS:
         text = pattern.sub(replacement, text)
     return text
 
 
-def shorten(text: str, limit: int = MAX_REASON_CHARS) -> str:
-    """``text`` on one line, secrets redacted, cut to ``limit`` characters with an ellipsis."""
-    text = redact(" ".join(text.split()))
-    if len(text) > limit:
-        text = text[: limit - 1].rstrip() + "…"
-    return text
+def client_secrets(client: Any) -> tuple[str, ...]:
+    """The credentials an SDK client holds (its API key, a bearer token), for ``redact``."""
+    values = (getattr(client, "api_key", None), getattr(client, "auth_token", None))
+    return tuple(str(value) for value in values if value)
 
 
-def _strip_tags(fragment: str) -> str:
-    return " ".join(html.unescape(_TAG.sub(" ", fragment)).split())
-
-
-def html_reason(text: str) -> str | None:
-    """A reason for an HTML error page (a proxy's 502, a firewall page), else ``None``.
-
-    Uses the page's ``<title>``, or its first ``<h1>`` to ``<h3>`` when the title is missing.
-    """
-    if not _HTML_START.search(text) and "<html" not in text[:2048].lower():
+def vetted_reason(reason: Any, secrets: tuple[str, ...] = ()) -> str | None:
+    """``reason`` if a client may see it, else ``None``: one of our own labels, or a short
+    identifier (a provider's error type or code) that holds nothing secret."""
+    if not isinstance(reason, str):
         return None
-    label = ""
-    match = _TITLE.search(text)
-    if match:
-        label = _strip_tags(match.group(1))
-    if not label:
-        match = _HEADING.search(text)
-        if match:
-            label = _strip_tags(match.group(2))
-    prefix = "upstream returned an HTML error page"
-    if not label:
-        return prefix
-    return shorten(f"{prefix}: {shorten(label, 120)}")
+    if reason in OWN_LABELS:
+        return reason
+    if _IDENTIFIER.fullmatch(reason) and redact(reason, secrets) == reason:
+        return reason
+    return None
 
 
-def _as_text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if value is None:
-        return ""
-    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
-
-
-def _with_label(message: str, label: Any) -> str:
-    message = _as_text(message).strip()
-    label = label.strip() if isinstance(label, str) else ""
-    if message and label and label.lower() not in message.lower():
-        return f"{message} ({label})"
-    return message or label
-
-
-def _detail_reason(detail: Any) -> str:
-    # FastAPI-style validation errors (Mistral, vLLM): [{"loc": [...], "msg": "...", ...}].
-    if isinstance(detail, list):
-        parts = []
-        for item in detail[:3]:
-            if isinstance(item, dict) and "msg" in item:
-                loc = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
-                parts.append(f"{item['msg']} ({loc})" if loc else str(item["msg"]))
-            else:
-                parts.append(_as_text(item))
-        return "; ".join(p for p in parts if p)
-    if isinstance(detail, dict):
-        return _as_text(detail.get("message") or detail.get("msg") or detail)
-    return _as_text(detail)
-
-
-def _envelope_reason(data: Any) -> str:
-    if isinstance(data, str):
-        return data
+def _envelope_reason(data: Any) -> str | None:
+    """The provider's error type or code from a JSON error envelope, vetted."""
     if isinstance(data, list):
         # Gemini and some gateways wrap the envelope in a one-element list.
-        return _envelope_reason(data[0]) if data else ""
+        return _envelope_reason(data[0]) if data else None
     if not isinstance(data, dict):
-        return ""
+        return None
     error = data.get("error")
-    if isinstance(error, dict):
-        # Anthropic: {"type": "error", "error": {"type", "message"}}
-        # OpenAI-compatible: {"error": {"message", "type", "code"}}
-        # Gemini: {"error": {"code": 429, "message", "status": "RESOURCE_EXHAUSTED"}}
-        label = error.get("status") if isinstance(error.get("status"), str) else None
-        if label is None:
-            code = error.get("code")
-            label = code if isinstance(code, str) else error.get("type")
-        message = error.get("message")
-        if message is None and "metadata" in error:
-            message = error["metadata"]
-        return _with_label(_as_text(message), label)
-    if isinstance(error, str):
-        # Ollama (and many small servers): {"error": "model 'x' not found"}.
-        return error
     if isinstance(error, list):
         return _envelope_reason(error)
-    if "message" in data:
-        # Mistral: {"object": "error", "message": ..., "type": ..., "code": ...}; the message
-        # is sometimes itself a structure (validation details).
-        message = data["message"]
-        if isinstance(message, dict):
-            message = _detail_reason(message.get("detail", message))
-        elif isinstance(message, list):
-            message = _detail_reason(message)
-        return _with_label(_as_text(message), data.get("type"))
-    if "detail" in data:
-        # Mistral and FastAPI-based servers: {"detail": "..."} or {"detail": [...]}.
-        return _detail_reason(data["detail"])
-    return ""
+    # OpenAI-compatible {"error": {"message", "type", "code"}}, Anthropic {"type": "error",
+    # "error": {"type", "message"}}, Gemini {"error": {"code": 429, "status": ...}};
+    # Mistral {"object": "error", "message", "type", "code"}. Ollama's {"error": "..."} and
+    # FastAPI's {"detail": ...} carry free text only.
+    source = error if isinstance(error, dict) else data if data.get("object") == "error" else {}
+    for key in ("status", "code", "type"):
+        reason = vetted_reason(source.get(key))
+        if reason is not None:
+            return reason
+    return None
 
 
 def parse_error_body(body: bytes | str | None) -> str | None:
-    """A short human reason from an upstream error body, or ``None`` when unrecognised.
+    """The vetted short reason of an upstream error body, or ``None``.
 
-    Recognises JSON envelopes of OpenAI-compatible servers, Anthropic, Gemini, Ollama and
-    Mistral, and HTML error pages. Plain text is not a recognised envelope and gives
-    ``None``: passing it through would leak the raw body. Never raises.
+    For a JSON error envelope (OpenAI-compatible servers, Anthropic, Gemini, Mistral) the
+    provider's error status, code or type when it is a short identifier; for an HTML page
+    ``"HTML error page"``. Never text chosen by the upstream (a message, a page's title),
+    which stays in the log. Never raises.
     """
     text = decode_body(body).strip()
     if not text:
@@ -196,14 +184,10 @@ def parse_error_body(body: bytes | str | None) -> str | None:
         except ValueError:
             data = None
         if data is not None:
-            try:
-                reason = _envelope_reason(data)
-            except (TypeError, ValueError, AttributeError, IndexError, KeyError):
-                logger.warning("could not interpret an upstream error envelope", exc_info=True)
-                reason = ""
-            reason = shorten(reason) if reason else ""
-            return reason or None
-    return html_reason(text)
+            return _envelope_reason(data)
+    if _HTML_START.search(text) or "<html" in text[:2048].lower():
+        return HTML_PAGE
+    return None
 
 
 def retry_after_seconds(value: str | None, *, now: float | None = None) -> float | None:
@@ -241,9 +225,39 @@ def retry_after_from_headers(headers: Any) -> float | None:
     return retry_after_seconds(headers.get("retry-after"))
 
 
-def unknown_reason(status: int | None) -> str:
-    """The uniform fallback message when no adapter yields a reason."""
-    return f"api error {status}: unknown error"
+def error_message(message: str, status: int | None, reason: str | None) -> str:
+    """``message`` followed by ``(status N, reason)`` as far as they are known."""
+    parts = [f"status {status}"] if status is not None else []
+    if reason:
+        parts.append(reason)
+    return f"{message} ({', '.join(parts)})" if parts else message
+
+
+def log_body(
+    what: str,
+    body: bytes | str | None,
+    *,
+    protocol: str | None,
+    status: int | None,
+    secrets: tuple[str, ...] = (),
+    exc_info: BaseException | None = None,
+    **fields: Any,
+) -> None:
+    """Write an upstream body to the ``sage.upstream`` log at WARNING, redacted and cut to
+    ``MAX_LOGGED_BODY_CHARS``: the only place an upstream body goes."""
+    # Cut before redacting (a huge page), but well past the final cut so that a secret
+    # astride the first one is beyond the logged part anyway.
+    raw = redact(decode_body(body)[: 4 * MAX_LOGGED_BODY_CHARS], secrets)
+    extra = "".join(f" {name}={value}" for name, value in fields.items())
+    logger.warning(
+        "upstream %s: protocol=%s status=%s%s body=%s",
+        what,
+        protocol,
+        status,
+        redact(extra, secrets),
+        raw[:MAX_LOGGED_BODY_CHARS],
+        exc_info=exc_info,
+    )
 
 
 def upstream_error(
@@ -254,62 +268,160 @@ def upstream_error(
     retry_after: float | None = None,
     secrets: tuple[str, ...] = (),
 ) -> UpstreamError:
-    """Build (not raise) the ``UpstreamError`` for an upstream failure and log the raw body.
+    """Build (not raise) the ``UpstreamError`` for an upstream error status and log the body.
 
     ``status`` is the upstream HTTP status, or ``None`` when the failure carried no status
-    (an error event inside a stream). The message is ``adapter.transform_error(status,
-    body)`` (secrets redacted, at most 200 characters) or exactly ``api error <status>:
-    unknown error``. Codes: 429 → ``upstream.rate_limited`` (RATE_LIMITED, retryable,
-    ``details["retry_after"]``); 401/403 → ``upstream.auth`` (not retryable); 5xx or no
+    (an error event inside a stream). The message is ours for the kind of failure, with the
+    status and ``adapter.transform_error(status, body)`` when that is a vetted reason
+    (``vetted_reason``). Codes: 429 → ``upstream.rate_limited`` (RATE_LIMITED, retryable,
+    resumable, ``details["retry_after"]``: the provider's delay or
+    ``DEFAULT_RETRY_AFTER_SECONDS``); 401/403 → ``upstream.auth`` (not retryable); 5xx or no
     status → ``upstream.error`` (retryable); any other status → ``upstream.error`` (not
     retryable). ``details`` holds only the status (and retry_after), never the body.
     """
-    raw = decode_body(body)
     protocol = getattr(adapter, "protocol", None)
-    logger.warning(
-        "upstream error: protocol=%s status=%s retry_after=%s body=%s",
-        protocol,
-        status,
-        retry_after,
-        raw[:MAX_LOGGED_BODY_CHARS],
+    log_body(
+        "error", body, protocol=protocol, status=status, secrets=secrets, retry_after=retry_after
     )
     reason: str | None = None
-    if adapter is not None and raw.strip():
+    if adapter is not None and decode_body(body).strip():
         try:
             reason = adapter.transform_error(status if status is not None else 0, body)
         except Exception:
-            # A buggy hook must not hide the upstream failure; the uniform fallback applies.
+            # A buggy hook must not hide the upstream failure; the message goes without it.
             logger.exception("transform_error of %s failed", protocol)
             reason = None
-    if reason and reason.strip():
-        message = shorten(redact(reason, secrets))
-    else:
-        message = unknown_reason(status)
+    reason = vetted_reason(reason, secrets)
 
     details: dict[str, Any] = {"status": status}
     if status == 429:
-        details["retry_after"] = retry_after
+        details["retry_after"] = (
+            retry_after if retry_after is not None else DEFAULT_RETRY_AFTER_SECONDS
+        )
         return UpstreamError(
             "upstream.rate_limited",
-            message,
+            error_message(RATE_LIMITED_MESSAGE, status, reason),
             category=ErrorCategory.RATE_LIMITED,
             retryable=True,
+            # Nothing was produced: the run can wait (suspended) and go on where it was.
+            resumable=True,
             details=details,
         )
     if status in (401, 403):
-        return UpstreamError("upstream.auth", message, retryable=False, details=details)
+        return UpstreamError(
+            "upstream.auth",
+            error_message(AUTH_MESSAGE, status, reason),
+            retryable=False,
+            details=details,
+        )
     retryable = status is None or status >= 500
-    return UpstreamError("upstream.error", message, retryable=retryable, details=details)
+    message = FAILED_MESSAGE if retryable else REJECTED_MESSAGE
+    return UpstreamError(
+        "upstream.error",
+        error_message(message, status, reason),
+        retryable=retryable,
+        details=details,
+    )
 
 
-def connection_error(description: str, *, cause: BaseException | None = None) -> UpstreamError:
+def invalid_response(
+    label: str,
+    *,
+    status: int | None = 200,
+    body: bytes | str | None = None,
+    adapter: Any = None,
+    secrets: tuple[str, ...] = (),
+    exc_info: BaseException | None = None,
+    **fields: Any,
+) -> UpstreamError:
+    """Build the retryable ``upstream.error`` "invalid response from the provider" for a
+    response that is not a usable event stream (``label`` says how, one of ours), and log
+    the body it had."""
+    log_body(
+        f"invalid response ({label})",
+        body,
+        protocol=getattr(adapter, "protocol", None),
+        status=status,
+        secrets=secrets,
+        exc_info=exc_info,
+        **fields,
+    )
+    return UpstreamError(
+        "upstream.error",
+        error_message(INVALID_RESPONSE_MESSAGE, status, vetted_reason(label)),
+        retryable=True,
+        details={"status": status},
+    )
+
+
+def broken_stream(
+    exc: Exception,
+    *,
+    status: int | None = 200,
+    event: Any = None,
+    adapter: Any = None,
+    secrets: tuple[str, ...] = (),
+) -> UpstreamError:
+    """The ``invalid_response`` for an exception raised while an event stream was decoded:
+    bytes that are not UTF-8, an event whose JSON is broken, or an event of the wrong
+    shape (``event``, the last one decoded). The offending text is logged."""
+    if isinstance(exc, UnicodeDecodeError):
+        return invalid_response(
+            NOT_UTF8, status=status, body=exc.object, adapter=adapter, secrets=secrets
+        )
+    if isinstance(exc, json.JSONDecodeError):
+        return invalid_response(
+            BROKEN_EVENT_STREAM, status=status, body=exc.doc, adapter=adapter, secrets=secrets
+        )
+    # An event of the wrong shape (a list, a number where text belongs): the traceback says
+    # where, and tells a bug of ours apart from the provider's.
+    return invalid_response(
+        MALFORMED_EVENT,
+        status=status,
+        body=None if event is None else repr(event),
+        adapter=adapter,
+        secrets=secrets,
+        exc_info=exc,
+        error=type(exc).__name__,
+    )
+
+
+async def require_event_stream(
+    response: Any, *, adapter: Any = None, secrets: tuple[str, ...] = ()
+) -> None:
+    """Raise ``invalid_response`` ("not an event stream") when a streaming call's successful
+    response declares a content type other than ``text/event-stream``: a JSON body, an HTML
+    captive portal. Its first ``MAX_LOGGED_BODY_CHARS`` bytes are read for the log. A
+    response without a content type is left to the stream's own checks."""
+    content_type = str(response.headers.get("content-type") or "")
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if not media_type or media_type == "text/event-stream":
+        return
+    head = bytearray()
+    async for piece in response.aiter_bytes():
+        head += piece
+        if len(head) >= MAX_LOGGED_BODY_CHARS:
+            break
+    raise invalid_response(
+        NOT_AN_EVENT_STREAM,
+        status=response.status_code,
+        body=bytes(head),
+        adapter=adapter,
+        secrets=secrets,
+        content_type=media_type,
+    )
+
+
+def connection_error(
+    description: str, *, cause: BaseException | None = None, secrets: tuple[str, ...] = ()
+) -> UpstreamError:
     """Build the retryable ``upstream.error`` for a transport failure (connect, timeout, drop).
 
     ``description`` is our own short wording ("connection failed", "timed out"), never text
     from the upstream; the message is ``upstream <description>`` and the underlying
-    exception goes to the log only.
+    exception goes to the log only (redacted).
     """
-    logger.warning("upstream %s: %r", description, cause)
+    logger.warning("upstream %s: %s", description, redact(repr(cause), secrets))
     return UpstreamError(
         "upstream.error",
         f"upstream {description}",

@@ -22,10 +22,18 @@ from .base import (
     ToolCall,
     ToolCallDelta,
     record_options,
+    stream_text,
 )
 from .errors import (
+    ENDED_EARLY,
+    NO_EVENTS,
+    UNDECODABLE_BODY,
+    broken_stream,
+    client_secrets,
     connection_error,
+    invalid_response,
     parse_error_body,
+    require_event_stream,
     retry_after_from_headers,
     upstream_error,
 )
@@ -144,7 +152,8 @@ class OpenAIAdapter:
         await client.close()
 
     def transform_error(self, status: int, body: bytes | str) -> str | None:
-        """A short reason from an OpenAI-compatible (or other known) error body, else ``None``."""
+        """The vetted short reason of an OpenAI-compatible (or other known) error body — the
+        provider's error code or type — else ``None`` (see ``parse_error_body``)."""
         return parse_error_body(body)
 
     async def stream(self, client: Any, request: ModelRequest) -> AsyncIterator[StreamItem]:
@@ -152,9 +161,11 @@ class OpenAIAdapter:
         then ``ToolCall``s, then ``StreamEnd``.
 
         Tool-call argument fragments are passed on (``ToolCallDelta``) and accumulated by
-        index, and parsed at the end. Raises
-        ``UpstreamError`` (see ``pooling.providers.upstream_error``) for HTTP errors, error
-        events inside the stream, connection failures and timeouts.
+        index, and parsed at the end. Raises ``UpstreamError`` (see
+        ``pooling.providers.errors``) for HTTP errors, error events inside the stream,
+        connection failures and timeouts, and an invalid response: a 200 that is not an
+        event stream, an undecodable or malformed stream, or one that ends without a
+        ``finish_reason``.
         """
         options = request.options or {}
         kwargs: dict[str, Any] = {
@@ -174,25 +185,30 @@ class OpenAIAdapter:
         if isinstance(options.get("extra_body"), dict):
             kwargs["extra_body"] = options["extra_body"]
 
-        secrets = (str(getattr(client, "api_key", "") or ""),)
+        secrets = client_secrets(client)
         calls: dict[int, dict[str, Any]] = {}
         finish_reason: str | None = None
         usage = {"input_tokens": 0, "output_tokens": 0}
+        chunks = 0
+        last: Any = None
         try:
             stream = await client.chat.completions.create(**kwargs)
             try:
+                await require_event_stream(stream.response, adapter=self, secrets=secrets)
                 async for chunk in stream:
+                    last = chunk
+                    chunks += 1
                     if chunk.usage is not None:
                         usage = {
-                            "input_tokens": chunk.usage.prompt_tokens or 0,
-                            "output_tokens": chunk.usage.completion_tokens or 0,
+                            "input_tokens": int(chunk.usage.prompt_tokens or 0),
+                            "output_tokens": int(chunk.usage.completion_tokens or 0),
                         }
                     for choice in chunk.choices or ():
                         if choice.index not in (0, None):
                             continue
                         delta = choice.delta
                         if delta is not None and delta.content:
-                            yield TextDelta(text=delta.content)
+                            yield TextDelta(text=stream_text(delta.content))
                         for fragment in (delta.tool_calls if delta is not None else None) or ():
                             call = calls.setdefault(
                                 fragment.index, {"id": None, "name": "", "arguments": []}
@@ -202,9 +218,9 @@ class OpenAIAdapter:
                             function = fragment.function
                             if function is not None:
                                 if function.name and not call["name"]:
-                                    call["name"] = function.name
+                                    call["name"] = stream_text(function.name)
                                 if function.arguments:
-                                    call["arguments"].append(function.arguments)
+                                    call["arguments"].append(stream_text(function.arguments))
                                     yield ToolCallDelta(
                                         index=fragment.index,
                                         id=call["id"],
@@ -212,27 +228,45 @@ class OpenAIAdapter:
                                         arguments=function.arguments,
                                     )
                         if choice.finish_reason:
-                            finish_reason = choice.finish_reason
+                            finish_reason = str(choice.finish_reason)
+            except (ValueError, AttributeError, TypeError) as exc:
+                # Bytes that are not UTF-8, broken JSON, an event of the wrong shape: the
+                # provider's fault, never an internal error of the run.
+                raise broken_stream(exc, event=last, adapter=self, secrets=secrets) from None
             finally:
                 # Ends the HTTP response even when the consumer stops early (aclose/cancel).
                 await stream.close()
         except openai.APIStatusError as exc:
             raise self._status_error(exc, secrets) from None
         except openai.APITimeoutError as exc:
-            raise connection_error("timed out", cause=exc) from None
+            raise connection_error("timed out", cause=exc, secrets=secrets) from None
         except openai.APIConnectionError as exc:
-            raise connection_error("connection failed", cause=exc) from None
+            raise connection_error("connection failed", cause=exc, secrets=secrets) from None
         except httpx2.TimeoutException as exc:
             # Mid-stream read timeouts escape the SDK unwrapped.
-            raise connection_error("timed out", cause=exc) from None
+            raise connection_error("timed out", cause=exc, secrets=secrets) from None
+        except httpx2.DecodingError as exc:
+            # A body whose content encoding (gzip, ...) does not decode.
+            raise invalid_response(
+                UNDECODABLE_BODY, adapter=self, secrets=secrets, error=repr(exc)
+            ) from None
         except httpx2.TransportError as exc:
             # So does a connection dropped mid-stream.
-            raise connection_error("connection lost", cause=exc) from None
+            raise connection_error("connection lost", cause=exc, secrets=secrets) from None
         except openai.APIError as exc:
             # An error event inside an otherwise successful (200) stream.
             body = json.dumps({"error": exc.body if exc.body is not None else exc.message})
             raise upstream_error(None, body, adapter=self, secrets=secrets) from None
 
+        if finish_reason is None:
+            # A body that ended without saying the reply is complete (no events at all, or
+            # cut off mid-token) is never a success: the answer may be missing or partial.
+            raise invalid_response(
+                NO_EVENTS if chunks == 0 else ENDED_EARLY,
+                adapter=self,
+                secrets=secrets,
+                chunks=chunks,
+            )
         for index in sorted(calls):
             call = calls[index]
             yield ToolCall(
@@ -240,7 +274,7 @@ class OpenAIAdapter:
                 name=call["name"],
                 arguments=parse_arguments("".join(call["arguments"])),
             )
-        stop = STOP_REASONS.get(finish_reason or "stop", finish_reason or "end_turn")
+        stop = STOP_REASONS.get(finish_reason, finish_reason)
         if calls and stop == "end_turn":
             # Some compatible servers (Ollama) finish a tool-calling turn with "stop".
             stop = "tool_use"

@@ -161,14 +161,13 @@ def test_it_uses_a_new_client_after_a_credential_change(alice, start_worker, ups
     assert executor.capacity()["model_calls"]["active"] == 0
 
 
+# A 429 suspends the run instead (tests/e2e/test_upstream_faults_e2e.py).
 @pytest.mark.parametrize(
     ("reply", "code", "retryable"),
     [
         (ErrorReply(status=502, body="<html><head><title>502 Bad Gateway</title></head>"
                     "<body>nginx secret-internal-host</body></html>",
                     content_type="text/html"), "upstream.error", True),
-        (ErrorReply(status=429, body='{"error": {"message": "slow down", "type": "rate"}}',
-                    headers={"Retry-After": "7"}), "upstream.rate_limited", True),
         (ErrorReply(status=401, body='{"error": {"message": "bad key sk-leak-9"}}'),
          "upstream.auth", False),
     ],

@@ -246,7 +246,7 @@ async def test_it_raises_the_injected_error_before_any_token(adapter, client, ca
     assert received == []
     error = caught.value
     assert (error.code, error.retryable) == ("upstream.error", True)
-    assert error.message == "upstream returned an HTML error page: 502 Bad Gateway"
+    assert error.message == "the provider failed (status 502, HTML error page)"
     assert "nginx/1.25.3" in caplog.text
     assert "nginx" not in str(error.to_dict())
 
@@ -263,7 +263,7 @@ async def test_it_raises_the_injected_error_after_some_tokens(adapter, client):
     assert caught.value.code == "upstream.rate_limited"
     assert caught.value.category == ErrorCategory.RATE_LIMITED
     assert caught.value.details == {"status": 429, "retry_after": 2.0}
-    assert caught.value.message == "api error 429: unknown error"
+    assert caught.value.message == "the provider's rate limit was reached; retry later (status 429)"
 
 
 async def test_it_injects_a_connection_failure(adapter, client):

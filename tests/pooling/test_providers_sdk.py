@@ -259,30 +259,31 @@ async def test_it_sends_the_conversation_in_messages_shape(upstream):
 
 # -- errors ------------------------------------------------------------------------------
 
+REJECTED = "the provider rejected the request (status 400"
 ENVELOPES = [
     ("openai", openai_error("Invalid 'messages': empty array", code="invalid_value"),
-     "Invalid 'messages': empty array (invalid_value)"),
-    ("openai", ollama_error("model \"llama9\" not found, try pulling it first"),
-     "model \"llama9\" not found, try pulling it first"),
+     f"{REJECTED}, invalid_value)"),
+    ("openai", ollama_error("model \"llama9\" not found, try pulling it first"), f"{REJECTED})"),
     ("openai", gemini_error("Request contains an invalid argument."),
-     "Request contains an invalid argument. (INVALID_ARGUMENT)"),
+     f"{REJECTED}, INVALID_ARGUMENT)"),
     ("openai", mistral_error("Prompt contains 40000 tokens, too large for model"),
-     "Prompt contains 40000 tokens, too large for model (invalid_request_error)"),
-    ("openai", json.dumps({"detail": "Model not found"}), "Model not found"),
+     f"{REJECTED}, invalid_request_error)"),
+    ("openai", json.dumps({"detail": "Model not found"}), f"{REJECTED})"),
     ("anthropic", anthropic_error("max_tokens: must be positive"),
-     "max_tokens: must be positive (invalid_request_error)"),
+     f"{REJECTED}, invalid_request_error)"),
     ("anthropic", openai_error("route not allowed", type="gateway_error"),
-     "route not allowed (gateway_error)"),
+     f"{REJECTED}, gateway_error)"),
 ]
 
 
-@pytest.mark.parametrize(("protocol", "body", "reason"), ENVELOPES)
-async def test_it_turns_an_error_envelope_into_a_short_reason(upstream, protocol, body, reason,
-                                                              client):
+@pytest.mark.parametrize(("protocol", "body", "message"), ENVELOPES)
+async def test_it_turns_an_error_envelope_into_our_message_and_its_code(
+    upstream, protocol, body, message, client
+):
     upstream.enqueue(ErrorReply(status=400, body=body))
     received, error = await failure(protocol, client)
     assert received == []
-    assert (error.code, error.message, error.retryable) == ("upstream.error", reason, False)
+    assert (error.code, error.message, error.retryable) == ("upstream.error", message, False)
     assert error.details == {"status": 400}
 
 
@@ -291,7 +292,7 @@ async def test_it_reports_an_html_502_as_a_retryable_error(upstream, protocol, c
     _, error = await failure(protocol, client)
     assert (error.code, error.category, error.retryable) == (
         "upstream.error", ErrorCategory.UPSTREAM, True)
-    assert error.message == "upstream returned an HTML error page: 502 Bad Gateway"
+    assert error.message == "the provider failed (status 502, HTML error page)"
 
 
 async def test_it_reports_429_with_retry_after(upstream, protocol, client):
@@ -299,8 +300,8 @@ async def test_it_reports_429_with_retry_after(upstream, protocol, client):
                                                               type="requests"),
                                 headers={"Retry-After": "17"}))
     _, error = await failure(protocol, client)
-    assert (error.code, error.category, error.retryable) == (
-        "upstream.rate_limited", ErrorCategory.RATE_LIMITED, True)
+    assert (error.code, error.category, error.retryable, error.resumable) == (
+        "upstream.rate_limited", ErrorCategory.RATE_LIMITED, True, True)
     assert error.details == {"status": 429, "retry_after": 17.0}
 
 
@@ -310,7 +311,9 @@ async def test_it_reports_401_as_a_final_auth_error(upstream, protocol, client):
     _, error = await failure(protocol, client)
     assert (error.code, error.category, error.retryable) == (
         "upstream.auth", ErrorCategory.UPSTREAM, False)
-    assert error.message == "invalid x-api-key (authentication_error)"
+    assert error.message == (
+        "the provider rejected the credentials (status 401, authentication_error)"
+    )
 
 
 async def test_it_reports_403_as_a_final_auth_error(upstream, protocol, client):
@@ -318,16 +321,15 @@ async def test_it_reports_403_as_a_final_auth_error(upstream, protocol, client):
                                                                    "403 Forbidden")))
     _, error = await failure(protocol, client)
     assert (error.code, error.retryable) == ("upstream.auth", False)
-    assert error.message == "upstream returned an HTML error page: 403 Forbidden"
+    assert error.message == "the provider rejected the credentials (status 403, HTML error page)"
 
 
-async def test_it_uses_the_uniform_message_for_an_unrecognised_body(upstream, protocol,
-                                                                     client):
+async def test_it_uses_our_message_alone_for_an_unrecognised_body(upstream, protocol, client):
     upstream.enqueue(ErrorReply(status=503, body="upstream connect error or disconnect",
                                 content_type="text/plain"))
     _, error = await failure(protocol, client)
     assert (error.code, error.retryable) == ("upstream.error", True)
-    assert error.message == "api error 503: unknown error"
+    assert error.message == "the provider failed (status 503)"
 
 
 async def test_it_sends_exactly_one_request_for_a_failing_call(upstream, protocol, client):
@@ -344,18 +346,20 @@ async def test_it_logs_the_raw_body_but_never_returns_it(upstream, protocol, cli
     with caplog.at_level(logging.WARNING, logger="sage.upstream"):
         _, error = await failure(protocol, client)
     assert "5f1e-internal-node-42" not in json.dumps(error.to_dict())
-    assert error.message == "api error 500: unknown error"
+    assert error.message == "the provider failed (status 500)"
     logged = [r.getMessage() for r in caplog.records if r.name == "sage.upstream"]
     assert any("5f1e-internal-node-42" in line for line in logged)
 
 
 async def test_it_reports_an_error_event_inside_the_stream(upstream, protocol, client):
     upstream.enqueue(Reply(text="Partial answer", error_after_text={
-        "type": "overloaded_error", "message": "Overloaded"}))
+        "type": "overloaded_error", "message": "Overloaded TRACE-31"}))
     received, error = await failure(protocol, client)
     assert [i.text for i in received] == ["Partial ", "answer"]
     assert (error.code, error.retryable) == ("upstream.error", True)
-    assert error.message == "Overloaded (overloaded_error)"
+    # Anthropic's error event maps to the status its type has as an HTTP response.
+    status = "status 529, " if protocol == "anthropic" else ""
+    assert error.message == f"the provider failed ({status}overloaded_error)"
 
 
 async def test_it_reports_a_dropped_stream_as_retryable(upstream, protocol, client):

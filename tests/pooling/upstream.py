@@ -16,6 +16,11 @@ Usage::
         ...
         assert upstream.requests[0].json["tools"][0]["function"]["name"] == "calculator"
 
+Broken upstreams are scripted the same way: ``RawStream`` sends a 200 (or any status)
+whose body is whatever bytes it is given, ``Reset`` resets the connection, and
+``Reply(cut_mid_event=True)`` ends a stream cleanly in the middle of an event.
+``fault_catalogue(api_key)`` names one reply per known fault (see ``FAULTS``).
+
 Replies are served in FIFO order; with the queue empty the server answers ``default``
 (``Reply(text="ok")`` unless given). Every request is recorded (``requests``), so a test can
 also assert that no request was sent. To use the fixture from another test module::
@@ -29,6 +34,9 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import struct
+import sys
 import threading
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -86,7 +94,9 @@ class Reply:
     With ``gate`` set, the server sends the first text chunk, then waits for the event
     (at most 30 s) before sending the rest, so a test can hold a stream open.
     ``error_after_text`` sends a vendor error event after the text instead of finishing;
-    ``drop_after_text`` closes the connection abruptly after the text (a dropped stream).
+    ``drop_after_text`` closes the connection abruptly after the text (a dropped stream);
+    ``cut_mid_event`` sends the first half of the next event after the text and then ends
+    the body cleanly (a stream that stops mid-token, with no finish and no error).
     """
 
     text: str = "ok"
@@ -97,6 +107,7 @@ class Reply:
     gate: threading.Event | None = None
     error_after_text: Mapping[str, Any] | None = None
     drop_after_text: bool = False
+    cut_mid_event: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,6 +118,25 @@ class ErrorReply:
     body: str | bytes = ""
     headers: Mapping[str, str] = field(default_factory=dict)
     content_type: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RawStream:
+    """A response whose body is exactly ``chunks``, sent one HTTP chunk each (chunked
+    transfer encoding) and ended cleanly: garbage in a 200, a broken event stream, bytes
+    that are not UTF-8."""
+
+    chunks: tuple[str | bytes, ...]
+    status: int = 200
+    content_type: str = "text/event-stream"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reset:
+    """The connection is reset (TCP RST) once the request is read, before any response."""
+
+
+AnyReply = Reply | ErrorReply | RawStream | Reset
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,9 +170,9 @@ def _split(text: str, pieces: int) -> list[str]:
 class UpstreamServer:
     """A scripted OpenAI + Anthropic streaming server on loopback (see the module docstring)."""
 
-    def __init__(self, *, default: Reply | ErrorReply | None = None) -> None:
-        self.default: Reply | ErrorReply = default or Reply()
-        self._queue: deque[Reply | ErrorReply] = deque()
+    def __init__(self, *, default: AnyReply | None = None) -> None:
+        self.default: AnyReply = default or Reply()
+        self._queue: deque[AnyReply] = deque()
         self._requests: list[RecordedRequest] = []
         self._cond = threading.Condition()
         # Gates of replies being served, released by stop() so no handler waits them out.
@@ -159,7 +189,7 @@ class UpstreamServer:
         class Handler(_Handler):
             server_owner = owner
 
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server = _Server(("127.0.0.1", 0), Handler)
         server.daemon_threads = True
         self._server = server
         self._thread = threading.Thread(
@@ -212,7 +242,7 @@ class UpstreamServer:
 
     # -- scripting and inspection ----------------------------------------------------------
 
-    def enqueue(self, *replies: Reply | ErrorReply) -> None:
+    def enqueue(self, *replies: AnyReply) -> None:
         """Queue replies, served one per request in FIFO order."""
         with self._cond:
             self._queue.extend(replies)
@@ -242,7 +272,7 @@ class UpstreamServer:
             self._requests.clear()
             self._queue.clear()
 
-    def _next(self, request: RecordedRequest) -> Reply | ErrorReply:
+    def _next(self, request: RecordedRequest) -> AnyReply:
         with self._cond:
             self._requests.append(request)
             self._cond.notify_all()
@@ -250,6 +280,15 @@ class UpstreamServer:
             if isinstance(reply, Reply) and reply.gate is not None:
                 self._gates.append(reply.gate)
             return reply
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that stops reading a reply it refused (an invalid response) closes or
+        # resets the connection; that is the test's point, not a server error to print.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -285,6 +324,12 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if isinstance(reply, ErrorReply):
                 self._send_error_reply(reply)
+                return
+            if isinstance(reply, RawStream):
+                self._send_raw_stream(reply)
+                return
+            if isinstance(reply, Reset):
+                self._reset()
                 return
             payload = request.json or {}
             model = str(payload.get("model", "test-model"))
@@ -325,6 +370,21 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(raw)
 
+    def _send_raw_stream(self, reply: RawStream) -> None:
+        self.send_response(reply.status)
+        self.send_header("Content-Type", reply.content_type)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for chunk in reply.chunks:
+            self._chunk(chunk.encode() if isinstance(chunk, str) else chunk)
+        self._chunk(b"")
+
+    def _reset(self) -> None:
+        # SO_LINGER with a zero timeout makes close() send RST instead of FIN.
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+        self.connection.close()
+
     def _stream(self, events: Iterator[str], reply: Reply) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -352,6 +412,10 @@ _GATE = "\x00gate"
 _DROP = "\x00drop"
 
 
+def _half(event: str) -> str:
+    return event[: len(event) // 2]
+
+
 def _arguments_text(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments)
 
@@ -372,6 +436,10 @@ def _openai_events(reply: Reply, model: str) -> Iterator[str]:
             yield _GATE
     if reply.drop_after_text:
         yield _DROP
+        return
+    if reply.cut_mid_event:
+        # Half of the next chunk, then the body ends cleanly.
+        yield _half(chunk({"content": " and then"}))
         return
     if reply.error_after_text is not None:
         yield "data: " + json.dumps({"error": dict(reply.error_after_text)}) + "\n\n"
@@ -415,6 +483,10 @@ def _anthropic_events(reply: Reply, model: str) -> Iterator[str]:
         index = 1
     if reply.drop_after_text:
         yield _DROP
+        return
+    if reply.cut_mid_event:
+        yield _half(_sse("content_block_delta", {"index": 0, "delta": {
+            "type": "text_delta", "text": " and then"}}))
         return
     if reply.error_after_text is not None:
         yield _sse("error", {"error": dict(reply.error_after_text)})
@@ -460,6 +532,67 @@ def _whole(protocol: str, reply: Reply, model: str) -> dict[str, Any]:
             "content": content, "stop_reason": "tool_use" if reply.tool_calls else "end_turn",
             "stop_sequence": None,
             "usage": {"input_tokens": prompt, "output_tokens": completion}}
+
+
+# -- the fault catalogue ------------------------------------------------------------------
+
+GARBAGE_JSON = json.dumps({"status": "ok", "note": "TRACE-garbage-5e1d: not a completion"})
+HTML_PORTAL = (
+    "<!DOCTYPE html><html><head><title>Hotel Wi-Fi: sign in at portal.example</title></head>"
+    "<body><h1>Welcome</h1><p>TRACE-portal-77aa accept the terms to continue</p></body></html>"
+)
+# A syntactically broken event stream: the event's JSON never closes.
+BROKEN_EVENT_STREAM = (
+    'event: message_start\ndata: {"type": "message_start", "TRACE-broken-31c0": \n\n',
+)
+NON_UTF8_EVENT_STREAM = (
+    b'event: message_start\ndata: {"type": "message_start", "note": "TRACE-bytes \xff\xfe"}\n\n',
+)
+# An event-stream content type with a body that holds no event at all.
+EVENTLESS_STREAM = ("TRACE-eventless-9b02 upstream maintenance\n",)
+
+FAULTS = (
+    "html_502",
+    "garbage_json_200",
+    "html_200",
+    "eventless_stream_200",
+    "broken_event_stream",
+    "non_utf8_bytes",
+    "rate_limited_with_retry_after",
+    "rate_limited_without_retry_after",
+    "unauthorized_echoing_the_key",
+    "connection_reset",
+    "stops_mid_token",
+)
+
+
+def fault_catalogue(api_key: str) -> dict[str, AnyReply]:
+    """One reply per known upstream fault (the names of ``FAULTS``); the 401 echoes
+    ``api_key`` and a second, key-shaped secret, as some gateways do."""
+    return {
+        "html_502": ErrorReply(status=502, body=HTML_502),
+        "garbage_json_200": ErrorReply(status=200, body=GARBAGE_JSON,
+                                       content_type="application/json"),
+        "html_200": ErrorReply(status=200, body=HTML_PORTAL, content_type="text/html"),
+        "eventless_stream_200": RawStream(chunks=EVENTLESS_STREAM),
+        "broken_event_stream": RawStream(chunks=BROKEN_EVENT_STREAM),
+        "non_utf8_bytes": RawStream(chunks=NON_UTF8_EVENT_STREAM),
+        "rate_limited_with_retry_after": ErrorReply(
+            status=429, headers={"Retry-After": "17"},
+            body=openai_error("Rate limit reached for TRACE-org-4411", type="requests",
+                              code="rate_limit_exceeded")),
+        "rate_limited_without_retry_after": ErrorReply(
+            status=429,
+            body=openai_error("Rate limit reached for TRACE-org-4411", type="requests",
+                              code="rate_limit_exceeded")),
+        "unauthorized_echoing_the_key": ErrorReply(
+            status=401,
+            body=openai_error(f"Incorrect API key provided: {api_key} (also tried "
+                              "sk-proj-Zx81TRACEotherkey). TRACE-auth-0c3e",
+                              code="invalid_api_key")),
+        "connection_reset": Reset(),
+        "stops_mid_token": Reply(text="Partial answer", cut_mid_event=True),
+    }
 
 
 @pytest.fixture(name="upstream")
