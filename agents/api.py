@@ -13,10 +13,11 @@ from typing import Any
 import orjson
 from asgiref.sync import sync_to_async
 from django.http import StreamingHttpResponse
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.permissions import IsAdminUser
+from rest_framework.permissions import BasePermission, IsAdminUser, IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.reverse import reverse
@@ -24,10 +25,19 @@ from rest_framework.views import APIView
 
 from agents import services
 from agents.models import ManagedAgentRecord
-from sageproject.api import StrictFieldsMixin
+from sageproject.api import ErrorEnvelopeSerializer, StrictFieldsMixin
 from sageproject.errors import NotFoundError, SageError
+from sageproject.parsers import int_schema, query_choice, query_int, query_uuid
 from scheduling import live
-from scheduling.models import Event, Multitask, Run, Session, SessionKind, WorkerSnapshot
+from scheduling.models import (
+    Event,
+    Multitask,
+    Run,
+    RunStatus,
+    Session,
+    SessionKind,
+    WorkerSnapshot,
+)
 from scheduling.serialization import event_json, export_session_lines
 
 EVENTS_DEFAULT_LIMIT = 100
@@ -36,6 +46,8 @@ STREAM_DEFAULT_SECONDS = 30
 STREAM_MAX_SECONDS = 300
 STREAM_POLL_SECONDS = 0.25
 STREAM_KEEPALIVE_SECONDS = 15
+# The largest event seq (a PositiveIntegerField): the bound of ``after``.
+MAX_SEQ = 2_147_483_647
 
 
 # --- serializers ---------------------------------------------------------------------
@@ -76,6 +88,11 @@ class EventSerializer(serializers.Serializer):
     run = serializers.UUIDField(source="run_id", allow_null=True)
     payload = serializers.JSONField()
     created_at = serializers.DateTimeField()
+
+
+class EventPageSerializer(serializers.Serializer):
+    results = EventSerializer(many=True)
+    next = serializers.URLField(allow_null=True, help_text="The next page; null at the end.")
 
 
 class RunSubmitSerializer(StrictFieldsMixin, serializers.Serializer):
@@ -175,6 +192,29 @@ class ArchiveSerializer(serializers.ModelSerializer):
 # --- views -----------------------------------------------------------------------------
 
 
+class CanReadResults(BasePermission):
+    """The caller's current permission to read runs and what they produced
+    (``services.check_read_permission``: revoked → 403 ``run.read_forbidden``).
+
+    Checked on lists before they are read, and on one object after the ownership-scoped
+    lookup (``get_object``), so another user's object still answers 404. Every action on
+    one session or run answers with its content (cancel and reply return the run), so
+    every one of them is checked.
+    """
+
+    def has_permission(self, request: Request, view: Any) -> bool:
+        if getattr(view, "action", None) == "list":
+            services.check_read_permission(request.user)
+        return True
+
+    def has_object_permission(self, request: Request, view: Any, obj: Any) -> bool:
+        services.check_read_permission(request.user)
+        return True
+
+
+READ_PERMISSIONS = [IsAuthenticated, CanReadResults]
+
+
 class SessionViewSet(
     mixins.CreateModelMixin,
     mixins.ListModelMixin,
@@ -184,6 +224,7 @@ class SessionViewSet(
     """Conversations with one agent of a package."""
 
     serializer_class = SessionSerializer
+    permission_classes = READ_PERMISSIONS
 
     def get_queryset(self):
         return services.scoped(Session.objects.all(), self.request.user)
@@ -197,19 +238,23 @@ class SessionViewSet(
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("after", int, description="Only events with seq > after."),
             OpenApiParameter(
-                "limit", int, description=f"1..{EVENTS_MAX_LIMIT}, default {EVENTS_DEFAULT_LIMIT}."
+                "after", int_schema(0, MAX_SEQ), description="Only events with seq > after."
+            ),
+            OpenApiParameter(
+                "limit",
+                int_schema(1, EVENTS_MAX_LIMIT),
+                description=f"1..{EVENTS_MAX_LIMIT}, default {EVENTS_DEFAULT_LIMIT}.",
             ),
         ],
-        responses={200: EventSerializer(many=True)},
+        responses={200: EventPageSerializer},
     )
     @action(detail=True, methods=["get"])
     def events(self, request: Request, pk: str | None = None) -> Response:
         """Durable events in seq order, paged by ``after`` and ``limit``."""
         session = self.get_object()
-        after = _int_param(request, "after", 0, minimum=0)
-        limit = _int_param(
+        after = query_int(request, "after", 0, minimum=0, maximum=MAX_SEQ)
+        limit = query_int(
             request, "limit", EVENTS_DEFAULT_LIMIT, minimum=1, maximum=EVENTS_MAX_LIMIT
         )
         rows = list(
@@ -237,11 +282,13 @@ class SessionViewSet(
     @extend_schema(
         parameters=[
             OpenApiParameter(
-                "after", int, description="Start after this seq (or send Last-Event-ID)."
+                "after",
+                int_schema(0, MAX_SEQ),
+                description="Start after this seq (or send Last-Event-ID).",
             ),
             OpenApiParameter(
                 "timeout",
-                int,
+                int_schema(1, STREAM_MAX_SECONDS),
                 description=f"Seconds to keep the stream open, "
                 f"1..{STREAM_MAX_SECONDS} (default {STREAM_DEFAULT_SECONDS}); "
                 "reconnect with Last-Event-ID to continue.",
@@ -256,10 +303,10 @@ class SessionViewSet(
         ``id``: never persisted)."""
         session = self.get_object()
         last = request.headers.get("Last-Event-ID")
-        after = _int_param(request, "after", 0, minimum=0)
-        if last and last.isdigit():
-            after = max(after, int(last))
-        timeout = _int_param(
+        after = query_int(request, "after", 0, minimum=0, maximum=MAX_SEQ)
+        if last and last.isascii() and last.isdigit() and len(last) <= 10:
+            after = max(after, min(int(last), MAX_SEQ))
+        timeout = query_int(
             request, "timeout", STREAM_DEFAULT_SECONDS, minimum=1, maximum=STREAM_MAX_SECONDS
         )
         response = StreamingHttpResponse(
@@ -341,36 +388,32 @@ async def _event_stream(session_id: Any, after: int, seconds: float) -> AsyncIte
         await subscription.close()
 
 
-def _int_param(
-    request: Request, name: str, default: int, *, minimum: int, maximum: int | None = None
-) -> int:
-    raw = request.query_params.get(name)
-    if raw in (None, ""):
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = None
-    if value is None or value < minimum or (maximum is not None and value > maximum):
-        bound = f"from {minimum} to {maximum}" if maximum is not None else f"≥ {minimum}"
-        raise serializers.ValidationError({name: [f"must be an integer {bound}"]})
-    return value
-
-
 class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Runs: submit (202, or 429 when the host's queue is full), read, cancel."""
 
     serializer_class = RunSerializer
+    permission_classes = READ_PERMISSIONS
 
     def get_queryset(self):
         query = services.scoped(Run.objects.all(), self.request.user)
-        session = self.request.query_params.get("session")
-        if session:
+        if self.action != "list":
+            return query
+        session = query_uuid(self.request, "session")
+        if session is not None:
             query = query.filter(session_id=session)
-        run_status = self.request.query_params.get("status")
-        if run_status:
+        run_status = query_choice(self.request, "status", RunStatus.values)
+        if run_status is not None:
             query = query.filter(status=run_status)
         return query
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("session", OpenApiTypes.UUID, description="Only this session's."),
+            OpenApiParameter("status", str, enum=RunStatus.values, description="Only these."),
+        ]
+    )
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        return super().list(request, *args, **kwargs)
 
     @extend_schema(
         request=RunSubmitSerializer,
@@ -382,7 +425,11 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
                 description="Repeat a submit safely: same key, same run.",
             )
         ],
-        responses={202: RunSerializer},
+        responses={
+            200: OpenApiResponse(RunSerializer, description="A repeated Idempotency-Key."),
+            202: RunSerializer,
+            429: OpenApiResponse(ErrorEnvelopeSerializer, description="scheduler.queue_full"),
+        },
     )
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = RunSubmitSerializer(data=request.data)
@@ -398,6 +445,8 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             priority=data.validated_data["priority"],
             multitask=data.validated_data["multitask"],
         )
+        if not created:  # a repeated key answers an existing run, perhaps finished: a read
+            services.check_read_permission(request.user)
         code = status.HTTP_202_ACCEPTED if created else status.HTTP_200_OK
         return Response(RunSerializer(run).data, status=code)
 
@@ -408,7 +457,13 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         run = services.run_cancel(run=self.get_object())
         return Response(RunSerializer(run).data, status=status.HTTP_202_ACCEPTED)
 
-    @extend_schema(request=RunReplySerializer, responses={202: RunSerializer})
+    @extend_schema(
+        request=RunReplySerializer,
+        responses={
+            202: RunSerializer,
+            429: OpenApiResponse(ErrorEnvelopeSerializer, description="scheduler.queue_full"),
+        },
+    )
     @action(detail=True, methods=["post"])
     def reply(self, request: Request, pk: str | None = None) -> Response:
         """Answer a suspended run (decision ``retry`` resumes it, ``cancel`` ends it)."""
@@ -427,6 +482,7 @@ class ArchiveViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
 
     serializer_class = ArchiveSerializer
     lookup_field = "run_id"
+    permission_classes = READ_PERMISSIONS  # retrieve: archive_read checks it after ownership
 
     def get_queryset(self):
         return services.scoped(ManagedAgentRecord.objects.all(), self.request.user)

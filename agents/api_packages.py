@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.permissions import IsAdminUser
@@ -15,12 +15,13 @@ from rest_framework.response import Response
 from agents import packages, services
 from agents.models import AgentPackage, ReclamationRequest
 from agents.reclamations import reclamation_create
-from sageproject.api import StrictFieldsMixin
+from sageproject.api import JSONObjectField, StrictFieldsMixin
 from sageproject.errors import NotFoundError
+from sageproject.parsers import query_bool
 
 
 class PackageCreateSerializer(StrictFieldsMixin, serializers.Serializer):
-    manifest = serializers.JSONField(help_text="The package manifest (DESIGN §4).")
+    manifest = JSONObjectField(help_text="The package manifest (DESIGN §4).")
     activate = serializers.BooleanField(default=True)
 
 
@@ -59,10 +60,6 @@ def _body(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _truthy(value: Any) -> bool:
-    return str(value).lower() in {"1", "true", "yes", "on"}
-
-
 class PackageViewSet(
     mixins.CreateModelMixin,
     mixins.ListModelMixin,
@@ -78,13 +75,12 @@ class PackageViewSet(
         return services.scoped(AgentPackage.objects.all(), self.request.user)
 
     @extend_schema(
-        parameters=[OpenApiParameter("page_size", int, description="1..100 (default 50).")]
+        request=PackageCreateSerializer,
+        responses={
+            200: OpenApiResponse(PackageSerializer, description="This version exists already."),
+            201: PackageSerializer,
+        },
     )
-    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        packages.check_limit(request.query_params.get("page_size"), name="page_size")
-        return super().list(request, *args, **kwargs)
-
-    @extend_schema(request=PackageCreateSerializer, responses={201: PackageSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = PackageCreateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -110,8 +106,8 @@ class PackageViewSet(
         data = PackageValidateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         strict = data.validated_data.get("strict")
-        if strict is None and "strict" in request.query_params:
-            strict = _truthy(request.query_params["strict"])
+        if strict is None:
+            strict = query_bool(request, "strict")
         report = packages.package_validate(
             owner=request.user, package=package, readiness=True, strict=bool(strict)
         )
@@ -130,7 +126,13 @@ class PackageViewSet(
         )
         return Response(result)
 
-    @extend_schema(request=PackageForkSerializer, responses={201: PackageSerializer})
+    @extend_schema(
+        request=PackageForkSerializer,
+        responses={
+            200: OpenApiResponse(PackageSerializer, description="This version exists already."),
+            201: PackageSerializer,
+        },
+    )
     @action(detail=True, methods=["post"])
     def fork(self, request: Request, pk: str | None = None) -> Response:
         """Copy this version under a new version number (a new immutable ref)."""
@@ -145,7 +147,10 @@ class PackageViewSet(
 
     def _own(self, pk: str | None) -> AgentPackage:
         # Owner-scoped even for staff: validating, activating and forking act as the owner.
-        package = AgentPackage.objects.filter(pk=pk, owner=self.request.user).first()
+        # An id that is not a row id (not digits, beyond a 64-bit key) names no package.
+        if not (pk and pk.isascii() and pk.isdigit() and len(pk) <= 19 and int(pk) < 2**63):
+            raise NotFoundError("package.not_found", "agent package not found in caller scope")
+        package = AgentPackage.objects.filter(pk=int(pk), owner=self.request.user).first()
         if package is None:
             raise NotFoundError("package.not_found", "agent package not found in caller scope")
         return package
@@ -159,7 +164,11 @@ class ReclamationCreateSerializer(StrictFieldsMixin, serializers.Serializer):
         choices=ReclamationRequest.Scope.choices, default=ReclamationRequest.Scope.IDLE
     )
     refs = serializers.ListField(
-        child=serializers.CharField(max_length=64), required=False, default=list, max_length=100
+        child=serializers.CharField(max_length=64),
+        required=False,
+        default=list,
+        max_length=100,
+        help_text="The package refs to release; required (not empty) when scope is selected.",
     )
     min_idle_seconds = serializers.IntegerField(min_value=0, max_value=86_400, default=300)
     limit = serializers.IntegerField(min_value=1, max_value=1000, default=1)

@@ -70,11 +70,13 @@ def run_submit(
     A repeated ``idempotency_key`` answers the run it created first. Raises
     ``session.not_found`` (404), ``scheduler.queue_full`` (429) at the pending limits and
     ``session.busy`` (409) for ``multitask=reject`` while the session has an unfinished
-    run. Concurrent submissions never exceed the limits, never lose a run and never create
-    two runs for one key, without waiting for each other (``scheduling.pending``). A
-    session runs one run at a time: later runs wait in order (see
-    ``scheduling.runs.admit``).
+    run, and ``run.priority_forbidden`` (403) for a priority above 0 from a user who is not
+    staff (``check_priority``). Concurrent submissions never exceed the limits, never lose
+    a run and never create two runs for one key, without waiting for each other
+    (``scheduling.pending``). A session runs one run at a time: later runs wait in order
+    (see ``scheduling.runs.admit``).
     """
+    check_priority(owner, priority)
     if strict_mode():
         session = Session.objects.filter(pk=session_id, owner=owner).first()
         if session is None:
@@ -92,6 +94,24 @@ def run_submit(
         priority=priority,
         multitask=multitask,
     )
+
+
+# The highest priority a user who is not staff may give their runs. Claims order users by
+# their running runs first and priority second, so at equal load a higher priority would put
+# one user's runs ahead of everyone else's: priorities above 0 are for operators (staff).
+# Anyone may lower their own runs (-100..0), which also orders them among themselves.
+MAX_USER_PRIORITY = 0
+
+
+def check_priority(owner, priority: int) -> None:
+    """Raise ``run.priority_forbidden`` (403) when ``owner`` may not submit ``priority``."""
+    if priority > MAX_USER_PRIORITY and not owner.is_staff:
+        raise SageError(
+            "run.priority_forbidden",
+            f"a priority above {MAX_USER_PRIORITY} is reserved for staff",
+            category=ErrorCategory.AUTHORIZATION,
+            details={"fields": {"priority": [f"at most {MAX_USER_PRIORITY} unless staff"]}},
+        )
 
 
 def run_cancel(*, run: Run) -> Run:

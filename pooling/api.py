@@ -5,8 +5,9 @@ from __future__ import annotations
 from django.db.models import Q
 from rest_framework import serializers, viewsets
 
+from pooling import services
 from pooling.models import ModelRecord
-from sageproject.api import StrictFieldsMixin
+from sageproject.api import JSONObjectField, StrictFieldsMixin
 
 
 class ModelRecordSerializer(StrictFieldsMixin, serializers.ModelSerializer):
@@ -19,6 +20,7 @@ class ModelRecordSerializer(StrictFieldsMixin, serializers.ModelSerializer):
     )
     has_credentials = serializers.BooleanField(read_only=True)
     shared = serializers.SerializerMethodField()
+    options = JSONObjectField(required=False)
 
     class Meta:
         model = ModelRecord
@@ -40,25 +42,18 @@ class ModelRecordSerializer(StrictFieldsMixin, serializers.ModelSerializer):
     def get_shared(self, obj: ModelRecord) -> bool:
         return obj.owner_id is None
 
-    def validate_options(self, value):
-        if not isinstance(value, dict):
-            raise serializers.ValidationError("must be a JSON object")
-        return value
-
     def create(self, validated_data):
         api_key = validated_data.pop("api_key", "")
         record = ModelRecord(**validated_data)
         record.api_key = api_key
-        record.save()
-        return record
+        return services.model_record_save(record=record)
 
     def update(self, instance, validated_data):
         if "api_key" in validated_data:
             instance.api_key = validated_data.pop("api_key")
         for key, value in validated_data.items():
             setattr(instance, key, value)
-        instance.save()
-        return instance
+        return services.model_record_save(record=instance)
 
 
 class ModelRecordViewSet(viewsets.ModelViewSet):

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
+from django.db.models.functions import Coalesce
 
 from pooling import crypto
 
@@ -26,6 +27,16 @@ class ModelRecord(models.Model):
         related_name="model_records",
     )
     name = models.CharField(max_length=100)
+    # The owner's id, or 0 for a shared record, computed and stored by the database: never
+    # null, so one plain unique constraint on (owner_key, name) makes a user's names unique
+    # and shared names unique on every database. A constraint on ``name`` with the condition
+    # ``owner IS NULL`` needs partial indexes, which MySQL and MariaDB lack (Django would
+    # skip it there, warning W036), and NULL owners never collide in (owner, name).
+    owner_key = models.GeneratedField(
+        expression=Coalesce("owner", 0),
+        output_field=models.BigIntegerField(),
+        db_persist=True,
+    )
     protocol = models.CharField(max_length=20, choices=Protocol.choices)
     base_url = models.URLField(max_length=500, blank=True)
     model = models.CharField(max_length=200, blank=True)
@@ -37,11 +48,12 @@ class ModelRecord(models.Model):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["owner", "name"], name="model_record_owner_name"),
             models.UniqueConstraint(
-                fields=["name"],
-                condition=models.Q(owner__isnull=True),
-                name="model_record_shared_name",
+                fields=["owner_key", "name"],
+                name="model_record_owner_key_name",
+                violation_error_message=(
+                    "A model record with this name already exists (for this owner, or shared)."
+                ),
             ),
         ]
         ordering = ["name"]

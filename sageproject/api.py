@@ -10,20 +10,50 @@ from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.db import connection
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import exceptions as drf_exceptions
+from rest_framework import serializers
 from rest_framework import status as http
 from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 
 from sageproject.errors import ErrorCategory, SageError, envelope
+from sageproject.parsers import int_schema, query_int
 
 logger = logging.getLogger("sage.api")
 
 
 class Pagination(PageNumberPagination):
+    """Every list's pages, one rule for all: ``page`` an integer ≥ 1 (a page past the last
+    answers 404) and ``page_size`` an integer 1..100 (default 50); any other value, ``null``
+    and negatives included, is 400 ``request.invalid`` naming the parameter."""
+
     page_size = 50
     page_size_query_param = "page_size"
     max_page_size = 100
+    last_page_strings = ()
+
+    def get_page_size(self, request: Any) -> int:
+        return query_int(
+            request, "page_size", self.page_size, minimum=1, maximum=self.max_page_size
+        )
+
+    def get_page_number(self, request: Any, paginator: Any) -> int:
+        return query_int(request, "page", 1, minimum=1)
+
+    def get_schema_operation_parameters(self, view: Any) -> list[dict[str, Any]]:
+        parameters = super().get_schema_operation_parameters(view)
+        for parameter in parameters:
+            if parameter["name"] == "page":
+                parameter["schema"] = int_schema(1)
+                parameter["description"] = "A page number, 1 or more (default 1)."
+            elif parameter["name"] == "page_size":
+                parameter["schema"] = int_schema(1, self.max_page_size)
+                parameter["description"] = (
+                    f"Results per page, 1..{self.max_page_size} (default {self.page_size})."
+                )
+        return parameters
 
 
 def _flatten(detail: Any) -> Any:
@@ -60,13 +90,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if isinstance(exc, SageError):
         return sage_error_response(exc)
     if isinstance(exc, RequestDataTooBig):
-        body = envelope(
-            "request.too_large",
-            "request body is larger than this host accepts",
-            category=ErrorCategory.VALIDATION,
-            details={"max_bytes": settings.DATA_UPLOAD_MAX_MEMORY_SIZE},
-        )
-        return Response(body, status=http.HTTP_413_REQUEST_ENTITY_TOO_LARGE)
+        return Response(too_large_body(), status=http.HTTP_413_REQUEST_ENTITY_TOO_LARGE)
     if isinstance(exc, Http404):
         exc = drf_exceptions.NotFound()
     elif isinstance(exc, PermissionDenied):
@@ -126,6 +150,17 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     return Response(body, status=http.HTTP_500_INTERNAL_SERVER_ERROR)
 
 
+def too_large_body() -> dict[str, Any]:
+    """The 413 envelope: the API's exception handler and the ASGI handler (which refuses an
+    oversized body before reading it) answer the same."""
+    return envelope(
+        "request.too_large",
+        "request body is larger than this host accepts",
+        category=ErrorCategory.VALIDATION,
+        details={"max_bytes": settings.DATA_UPLOAD_MAX_MEMORY_SIZE},
+    )
+
+
 def _json_error(code: str, message: str, category: ErrorCategory, status: int) -> JsonResponse:
     return JsonResponse(envelope(code, message, category=category), status=status)
 
@@ -162,14 +197,82 @@ def healthz(request: HttpRequest) -> HttpResponse:
 
 
 class StrictFieldsMixin:
-    """Reject unknown fields instead of silently dropping them (a typo must not pass)."""
+    """Reject unknown fields instead of silently dropping them (a typo must not pass), and
+    values of the wrong JSON type instead of coercing them (DRF would store ``5`` as
+    ``"5"`` and take ``"yes"`` for true). The schema says both (``additionalProperties:
+    false``, the fields' types: `sageproject.schema.AutoSchema`)."""
 
     def to_internal_value(self, data: Any) -> Any:
-        from rest_framework import serializers
-
         if isinstance(data, dict):
-            known = {name for name, f in self.fields.items() if not f.read_only}
-            unknown = sorted(set(data) - known)
-            if unknown:
-                raise serializers.ValidationError({name: ["unknown field"] for name in unknown})
+            problems: dict[str, list[str]] = {}
+            writable = {name: f for name, f in self.fields.items() if not f.read_only}
+            for name in sorted(set(data) - set(writable)):
+                problems[name] = ["unknown field"]
+            for name, field in writable.items():
+                if name in data and (problem := _json_problem(field, data[name])):
+                    problems[name] = [problem]
+            if problems:
+                raise serializers.ValidationError(problems)
         return super().to_internal_value(data)
+
+
+def _json_problem(field: serializers.Field, value: Any) -> str | None:
+    """Why ``value`` is not of the JSON type ``field`` takes, or a string longer than its
+    ``max_length`` as sent (the schema's ``maxLength``; DRF would measure it trimmed); None
+    when neither (null is the field's own business: ``allow_null``)."""
+    if value is None or isinstance(field, serializers.JSONField):
+        return None
+    if isinstance(field, serializers.BooleanField):
+        return None if isinstance(value, bool) else "must be true or false"
+    if isinstance(field, serializers.IntegerField):
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return None if number else "must be an integer"
+    if isinstance(field, serializers.ListField):
+        if not isinstance(value, list):
+            return "must be a list"
+        for item in value:
+            if problem := _json_problem(field.child, item):
+                return f"every item {problem}"
+        return None
+    if isinstance(field, serializers.DictField | serializers.Serializer):
+        return None if isinstance(value, dict) else "must be an object"
+    if isinstance(field, serializers.CharField | serializers.ChoiceField | serializers.UUIDField):
+        if not isinstance(value, str):
+            return "must be a string"
+        longest = getattr(field, "max_length", None)
+        if longest is not None and len(value) > longest:
+            return f"Ensure this field has no more than {longest} characters."
+    return None
+
+
+@extend_schema_field(OpenApiTypes.OBJECT)
+class JSONObjectField(serializers.JSONField):
+    """A JSON object (options, a manifest); any other JSON value is refused."""
+
+    default_error_messages = {"not_an_object": "must be a JSON object"}
+
+    def to_internal_value(self, data: Any) -> Any:
+        if not isinstance(data, dict):
+            self.fail("not_an_object")
+        return super().to_internal_value(data)
+
+
+# --- the error envelope, as the schema shows it (sageproject.schema) ----------------------
+
+
+class ErrorDetailSerializer(serializers.Serializer):
+    code = serializers.CharField(help_text="Stable code, e.g. request.invalid, model.queue_full.")
+    category = serializers.ChoiceField(choices=[c.value for c in ErrorCategory])
+    message = serializers.CharField()
+    retryable = serializers.BooleanField(help_text="The same request may succeed later.")
+    resumable = serializers.BooleanField(help_text="Durable state was kept; it can continue.")
+    details = serializers.DictField(
+        help_text="request.invalid: {fields: {name: [problem, ...]}}; "
+        "request.too_large: {max_bytes}; rate limits: {retry_after}."
+    )
+
+
+class ErrorEnvelopeSerializer(serializers.Serializer):
+    """Every error the API answers (DESIGN §5)."""
+
+    error = ErrorDetailSerializer()

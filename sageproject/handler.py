@@ -10,20 +10,28 @@ would under WSGI (its thread's database connection is given back after the reque
 
 A streaming response whose content is an asynchronous iterator (the session event stream)
 is still sent from the event loop: the view only builds it on its thread.
+
+Request bodies are bounded here, before any of them is stored: a ``Content-Length`` above
+``DATA_UPLOAD_MAX_MEMORY_SIZE`` (``SAGE_MAX_REQUEST_BYTES``) is answered 413 unread, and a
+chunked body (no ``Content-Length``) is read until it passes the limit, then answered 413
+too. A chunked body within the limit is given the ``Content-Length`` it turned out to have:
+DRF reads a request without one as having no body.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.base import BaseHandler
 from django.db import close_old_connections
-from django.http import HttpRequest, HttpResponseBase
+from django.http import HttpRequest, HttpResponseBase, JsonResponse
 
 # Threads per CPU of a web process: a request spends about half its time waiting for the
 # database, so a few per CPU keep the CPUs busy; more only contend for the GIL (measured:
@@ -70,6 +78,78 @@ class ThreadedASGIHandler(ASGIHandler):
             return self.get_response(request)
         finally:
             close_old_connections()
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Django's, with the body bounded (see the module text)."""
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        declared = _content_length(scope)
+        if limit is not None and declared is not None and declared > limit:
+            await self._too_large(send)  # unread: a client that sent Expect waits no more
+            return
+        try:
+            await super().handle(scope, receive, send)
+        except _BodyTooLarge:
+            await self._too_large(send)
+
+    async def read_body(self, receive: Any) -> Any:
+        """As Django's, refusing (``_BodyTooLarge``) a body that grows past the limit
+        before more of it is stored."""
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        body_file = tempfile.SpooledTemporaryFile(
+            max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, mode="w+b"
+        )
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                body_file.close()
+                raise RequestAborted()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if limit is not None and size > limit:
+                body_file.close()
+                raise _BodyTooLarge
+            if chunk:
+                if getattr(body_file, "_rolled", False):
+                    await sync_to_async(body_file.write, thread_sensitive=False)(chunk)
+                else:
+                    body_file.write(chunk)
+            if not message.get("more_body", False):
+                break
+        body_file.seek(0)
+        return body_file
+
+    def create_request(self, scope: dict[str, Any], body_file: Any) -> Any:
+        request, error = super().create_request(scope, body_file)
+        if request is not None and not request.META.get("CONTENT_LENGTH"):
+            size = body_file.seek(0, os.SEEK_END)
+            body_file.seek(0)
+            if size:  # a chunked body: DRF reads none without a length
+                request.META["CONTENT_LENGTH"] = str(size)
+        return request, error
+
+    async def _too_large(self, send: Any) -> None:
+        from sageproject.api import too_large_body
+
+        response = JsonResponse(
+            too_large_body(), status=413, json_dumps_params={"separators": (",", ":")}
+        )
+        response["Connection"] = "close"
+        await self.send_response(response, send)
+
+
+class _BodyTooLarge(Exception):
+    """A request body passed ``DATA_UPLOAD_MAX_MEMORY_SIZE`` while it was read."""
+
+
+def _content_length(scope: dict[str, Any]) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
 
 
 def get_application() -> Any:

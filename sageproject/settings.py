@@ -133,10 +133,11 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "sageproject.api.Pagination",
     "PAGE_SIZE": 50,
     "EXCEPTION_HANDLER": "sageproject.api.exception_handler",
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "sageproject.schema.AutoSchema",
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"]
     + (["rest_framework.renderers.BrowsableAPIRenderer"] if DEBUG else []),
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    # The one validation layer for JSON bodies (NUL, lone surrogates, depth: sageproject.parsers).
+    "DEFAULT_PARSER_CLASSES": ["sageproject.parsers.JSONParser"],
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }
 SPECTACULAR_SETTINGS = {
@@ -144,6 +145,9 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Run AI-agent Runs on a shared host: sessions, runs, events, archives.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Request bodies as their own components: only writable fields, minLength 1 where blanks
+    # are refused, additionalProperties false where unknown fields are (sageproject.schema).
+    "COMPONENT_SPLIT_REQUEST": True,
 }
 
 # Where runs execute: the worker (scheduling) looks the executor up by name so that

@@ -136,7 +136,7 @@ def test_it_limits_page_sizes_to_one_to_a_hundred(alice_api):
     for bad in (0, 101):
         response = alice_api.get(f"/api/v1/packages/?page_size={bad}")
         assert response.status_code == 400
-        assert response.json()["error"]["code"] == "package.pagination_invalid"
+        assert response.json()["error"]["code"] == "request.invalid"  # every list's rule
 
 
 def test_it_refuses_runs_in_strict_mode_when_not_ready(
