@@ -9,6 +9,9 @@ from agents.jobs.api import RunJobsView
 from pooling import api as pooling_api
 
 router = DefaultRouter()
+# No `.json` twins of every route: the API speaks JSON only, and the custom actions do not
+# take the suffix's `format` argument (each such URL answered 500).
+router.include_format_suffixes = False
 router.register("model-records", pooling_api.ModelRecordViewSet, basename="modelrecord")
 router.register("packages", api_packages.PackageViewSet, basename="package")
 router.register("sessions", agents_api.SessionViewSet, basename="session")

@@ -330,3 +330,19 @@ def test_it_answers_413_to_a_content_length_over_the_limit_before_the_body(alice
             assert chunk, answer
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 413 "), answer
+
+
+def test_routes_have_no_format_suffix_twins(alice, alice_api, make_session):
+    # The custom actions' `.json` twins answered 500 (their views take no `format`).
+    session = make_session(alice)
+    run = alice_api.post(
+        "/api/v1/runs/", {"session": str(session.pk), "input": "hi"}, format="json"
+    ).json()
+    for url in (
+        f"/api/v1/runs/{run['id']}/cancel.json",
+        f"/api/v1/sessions/{session.pk}/events.json",
+        "/api/v1/runs.json",
+    ):
+        response = alice_api.post(url) if "cancel" in url else alice_api.get(url)
+        assert response.status_code == 404, url
+        assert response.json()["error"]["code"]
