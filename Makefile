@@ -16,10 +16,13 @@ run: bootstrap
 test: bootstrap
 	@$(PY) -m tests.runner
 
-# The fault tests at full size on every database (the suite runs them reduced): the chaos
-# run kills a worker 20 times while 400 runs of 40 sessions execute.
+# Hostile input and broken upstreams against a live host (schemathesis, the cross-user
+# matrix, the credential canary, the upstream fault catalogue, a 10,000-submission flood)
+# on SQLite and PostgreSQL, and the fault tests at full size on every database (the chaos
+# run kills a worker 20 times while 400 runs of 40 sessions execute); one summary table.
+# The suite runs all of it reduced. See docs/OPERATIONS.md, "Torture".
 torture: bootstrap
-	@SAGE_TORTURE=1 $(PY) -m tests.runner tests/scheduling/test_lifecycle_faults.py tests/scheduling/test_database_outages.py
+	@$(PY) -m tests.torture
 
 celery: bootstrap
 	@$(VENV)/bin/celery -A sageproject.celery worker --loglevel=INFO --pool=threads --concurrency=4

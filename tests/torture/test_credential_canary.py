@@ -1,0 +1,256 @@
+"""The credential canary: a model key shows up nowhere but in its encrypted column.
+
+Alice registers a model record through the API with a unique key (``openai`` protocol,
+``base_url`` on `tests.torture.upstreams.FaultUpstream` in ``echo`` mode, which puts the
+key it receives into every error body it answers: 401, 400, 500, a 502 HTML page, 429, an
+error event inside a 200 stream) and runs one run per error (and one that succeeds). Then
+the key is looked for — whole, and as any 12 consecutive characters of its random part —
+in:
+
+- every API response: each GET route of the URL configuration (`test_cross_user.api_routes`)
+  for each of Alice's objects, as Alice and as staff;
+- the admin, through a real session on the live web process (staff login): the index, every
+  registered model's list, add, change, history and delete pages for its objects, and the
+  site's own pages (capacity, release idle);
+- the host's log files (web and worker);
+- the database: every column of every row of every table.
+
+Controls: the upstream received the key and echoed it; the record's encrypted column
+decrypts to it; the admin login worked and its pages answered 200; the scanner finds the
+key in the upstream's recorded requests.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import httpx
+import pytest
+from django.urls import NoReverseMatch, reverse
+
+from tests.conftest import demo_manifest
+from tests.torture.host import TERMINAL, LiveHost, make_user
+from tests.torture.test_cross_user import api_routes
+from tests.torture.upstreams import ECHO_CASES, FaultUpstream
+
+CHECK = "credential-canary"
+pytestmark = [pytest.mark.torture, pytest.mark.django_db(transaction=True)]
+
+ADMIN_OBJECTS_PER_MODEL = 25
+WINDOW = 12
+OK = frozenset({200})
+MAY_REFUSE = frozenset({200, 403})
+
+
+class Scanner:
+    """Finds the key, or any ``WINDOW`` consecutive characters of its random part."""
+
+    def __init__(self, key: str, random_part: str) -> None:
+        self.key = key
+        self.windows = {random_part[i : i + WINDOW] for i in range(len(random_part) - WINDOW + 1)}
+        self.hits: dict[str, list[str]] = {}
+        self.scanned: dict[str, int] = {}
+
+    def found(self, text: str) -> bool:
+        return self.key in text or any(w in text for w in self.windows)
+
+    def scan(self, place: str, where: str, text: str) -> None:
+        self.scanned[place] = self.scanned.get(place, 0) + 1
+        if self.found(text):
+            self.hits.setdefault(place, []).append(where)
+
+
+def _database_cells() -> Iterable[tuple[str, str]]:
+    """(table.column, text) of every non-null value of every table."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        for table in connection.introspection.table_names(cursor):
+            cursor.execute(f"SELECT * FROM {connection.ops.quote_name(table)}")
+            columns = [c[0] for c in cursor.description]
+            for row in cursor.fetchall():
+                for column, value in zip(columns, row, strict=True):
+                    if value is None:
+                        continue
+                    if isinstance(value, memoryview | bytes | bytearray):
+                        value = bytes(value).decode("latin-1")
+                    yield f"{table}.{column}", str(value)
+
+
+def _admin_urls() -> list[tuple[str, frozenset[int]]]:
+    """(URL, the statuses it may answer): 403 is fine for add and delete pages (models
+    that allow neither), never for a list or an object's page."""
+    from django.apps import apps
+    from django.contrib import admin
+
+    urls = [reverse("admin:index")]
+    for name in ("admin:capacity", "admin:agents_reclamationrequest_release_idle"):
+        try:
+            urls.append(reverse(name))
+        except NoReverseMatch:
+            pass
+    for config in apps.get_app_configs():
+        try:
+            urls.append(reverse("admin:app_list", args=[config.label]))
+        except NoReverseMatch:
+            continue
+    for model in admin.site._registry:
+        opts = model._meta
+        base = f"admin:{opts.app_label}_{opts.model_name}"
+        urls.append(reverse(f"{base}_changelist"))
+        try:
+            urls.append(reverse(f"{base}_add"))
+        except NoReverseMatch:
+            pass
+        # Instances, not values_list: a proxy may define its own pk (DRF's TokenProxy).
+        for obj in model._default_manager.all()[:ADMIN_OBJECTS_PER_MODEL]:
+            for page in ("change", "history", "delete"):
+                urls.append(reverse(f"{base}_{page}", args=[obj.pk]))
+    return [(url, MAY_REFUSE if url.endswith(("/add/", "/delete/")) else OK) for url in urls]
+
+
+def _admin_session(base_url: str, username: str, password: str) -> httpx.Client:
+    client = httpx.Client(base_url=base_url, timeout=30)
+    form = client.get("/admin/login/")
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form.text)
+    assert token, f"no login form: {form.status_code}"
+    answer = client.post(
+        "/admin/login/?next=/admin/",
+        data={
+            "csrfmiddlewaretoken": token.group(1),
+            "username": username,
+            "password": password,
+            "next": "/admin/",
+        },
+    )
+    assert answer.status_code == 302 and "sessionid" in client.cookies, "staff login failed"
+    return client
+
+
+def _api_urls(ids: dict[str, list[str]]) -> list[str]:
+    """Every GET route, once per object of the kind it names (Alice's objects)."""
+    urls = []
+    for route in api_routes():
+        if "GET" not in route.methods or "{format}" in route.template:
+            continue
+        named = [k for k in route.kwargs if k != "format"]
+        if not named:
+            urls.append(route.template)
+            continue
+        kind = "run" if named[0] == "run_id" else route.kind
+        values = ids.get(kind or "", [])
+        if route.name == "session-stream":
+            # One stream is enough: each stays open for its whole timeout (1 s).
+            values = [f"{value}?timeout=1" for value in values[:1]]
+        for value in values:
+            urls.append(route.template.format(**{named[0]: value}))
+    return urls
+
+
+def test_a_model_key_appears_nowhere_but_in_its_encrypted_column(
+    live_host: LiveHost, figures: dict[str, Any]
+) -> None:
+    from pooling.models import ModelRecord
+
+    live_host.ensure_worker()
+    random_part = uuid.uuid4().hex + uuid.uuid4().hex[:8]
+    key = f"canary-{random_part}"
+    scanner = Scanner(key, random_part)
+    password = f"pw-{uuid.uuid4().hex}"
+    _alice, alice_token = make_user("canary-alice")
+    staff, staff_token = make_user("canary-staff", staff=True, password=password)
+    statuses: dict[str, str] = {}
+    runs: list[dict[str, Any]] = []
+    with FaultUpstream() as upstream, live_host.client(alice_token) as api:
+        record = api.post(
+            "/api/v1/model-records/",
+            json={
+                "name": "canary",
+                "protocol": "openai",
+                "model": "canary",
+                "api_key": key,
+                "base_url": upstream.base_url("echo"),
+                "options": {"timeout": 15},
+            },
+        )
+        assert record.status_code == 201, record.text
+        package = api.post(
+            "/api/v1/packages/",
+            json={"manifest": demo_manifest(name="canary", model="canary", tools=[])},
+        )
+        assert package.status_code == 201, package.text
+        for case in ECHO_CASES:
+            session = api.post(
+                "/api/v1/sessions/", json={"package": "canary", "agent": "assistant"}
+            )
+            assert session.status_code == 201, session.text
+            run = api.post(
+                "/api/v1/runs/", json={"session": session.json()["id"], "input": f"canary:{case}"}
+            )
+            assert run.status_code == 202, run.text
+            runs.append(run.json())
+        for case, run in zip(ECHO_CASES, runs, strict=True):
+            done = live_host.wait_run(api, run["id"], until=TERMINAL | {"suspended"})
+            statuses[case] = done["status"]
+            if done["status"] == "suspended":
+                api.post(f"/api/v1/runs/{run['id']}/cancel/")  # one more API path
+        requests = upstream.requests_for("echo")
+    sent_key = sum(1 for r in requests if r["headers"].get("authorization") == f"Bearer {key}")
+
+    ids = {
+        "modelrecord": [str(record.json()["id"])],
+        "package": [str(package.json()["id"])],
+        "session": sorted({r["session"] for r in runs}),
+        "run": [r["id"] for r in runs],
+        "archive": [r["id"] for r in runs],
+    }
+    api_urls = _api_urls(ids)
+    for who, token in (("alice", alice_token), ("staff", staff_token)):
+        with live_host.client(token) as client:
+            for url in api_urls:
+                response = client.get(url)
+                scanner.scan("api", f"{who} GET {url} ({response.status_code})", response.text)
+
+    admin_failures = []
+    admin = _admin_session(live_host.base_url, staff.username, password)
+    try:
+        for url, allowed in _admin_urls():
+            response = admin.get(url)
+            if response.status_code not in allowed:
+                admin_failures.append(f"{url}: {response.status_code}")
+            scanner.scan("admin", url, response.text)
+    finally:
+        admin.close()
+    for name, text in live_host.logs().items():
+        for number, line in enumerate(text.splitlines(), 1):
+            scanner.scan("logs", f"{name}:{number}", line)
+    for where, text in _database_cells():
+        scanner.scan("database", where, text)
+
+    stored = ModelRecord.objects.get(pk=record.json()["id"])
+    control = Scanner(key, random_part)
+    for request in requests:
+        control.scan("upstream", request["path"], repr(request))
+    figures.update(
+        runs=statuses,
+        key_sent=sent_key,
+        api_responses=scanner.scanned.get("api", 0),
+        admin_pages=scanner.scanned.get("admin", 0),
+        log_lines=scanner.scanned.get("logs", 0),
+        db_cells=scanner.scanned.get("database", 0),
+        hits={place: len(where) for place, where in scanner.hits.items()},
+    )
+    if scanner.hits:
+        figures["first_hits"] = {place: where[:3] for place, where in scanner.hits.items()}
+
+    # Controls: the leak was possible, and each place was really looked at.
+    assert sent_key >= len(ECHO_CASES), "the upstream never received the key"
+    assert control.hits.get("upstream"), "the scanner cannot find the key where it is"
+    assert stored.api_key == key and key not in stored.encrypted_credentials
+    assert not admin_failures, f"admin pages that answered otherwise: {admin_failures}"
+    assert all(scanner.scanned.get(p) for p in ("api", "admin", "logs", "database"))
+    assert set(statuses.values()) <= TERMINAL | {"suspended"}
+    assert not scanner.hits, f"the key leaked: {scanner.hits}"
