@@ -95,6 +95,30 @@ class EventPageSerializer(serializers.Serializer):
     next = serializers.URLField(allow_null=True, help_text="The next page; null at the end.")
 
 
+class StreamEventSerializer(serializers.Serializer):
+    """One Server-Sent Event of ``GET /sessions/{id}/stream/``, modelled as the OpenAPI
+    Media Type Registry models a ``text/event-stream`` event (the fields of the SSE
+    format; OpenAPI 3.2 calls this schema ``itemSchema``, before 3.2 tools read ``schema``
+    as it). The body itself is the event stream, UTF-8 text: ``retry: 1000`` first, then
+    events, and comment lines (``: keep-alive``, ``: dropped N deltas``)."""
+
+    event = serializers.CharField(
+        help_text="The event type: a durable event's type, or message.delta / tool_call.delta."
+    )
+    data = serializers.CharField(
+        help_text="One JSON object: a durable event as GET .../events/ gives it, or a delta "
+        "({type, run, payload})."
+    )
+    id = serializers.RegexField(
+        r"\A[0-9]+\Z",
+        required=False,
+        help_text="The durable event's seq (resume with Last-Event-ID); deltas have none.",
+    )
+    retry = serializers.IntegerField(
+        required=False, help_text="Reconnection delay in milliseconds (1000)."
+    )
+
+
 class RunSubmitSerializer(StrictFieldsMixin, serializers.Serializer):
     session = serializers.UUIDField()
     input = serializers.CharField(max_length=100_000, allow_blank=False, trim_whitespace=False)
@@ -229,7 +253,18 @@ class SessionViewSet(
     def get_queryset(self):
         return services.scoped(Session.objects.all(), self.request.user)
 
-    @extend_schema(request=SessionCreateSerializer, responses={201: SessionSerializer})
+    @extend_schema(
+        request=SessionCreateSerializer,
+        responses={
+            201: SessionSerializer,
+            400: OpenApiResponse(
+                ErrorEnvelopeSerializer,
+                description="A field that breaks its rule (request.invalid, details.fields "
+                "names it), or an agent that is none of the package's agents or flows "
+                "(session.agent_not_found).",
+            ),
+        },
+    )
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = SessionCreateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -294,7 +329,12 @@ class SessionViewSet(
                 "reconnect with Last-Event-ID to continue.",
             ),
         ],
-        responses={(200, "text/event-stream"): bytes},
+        responses={
+            (200, "text/event-stream"): OpenApiResponse(
+                StreamEventSerializer,
+                description="Server-Sent Events (UTF-8 text); the schema is one event's.",
+            )
+        },
     )
     @action(detail=True, methods=["get"])
     def stream(self, request: Request, pk: str | None = None) -> StreamingHttpResponse:

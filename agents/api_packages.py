@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from django.core.validators import RegexValidator
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_field,
+)
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.permissions import IsAdminUser
@@ -13,15 +19,69 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from agents import packages, services
+from agents.manifest import MAX_VERSION_CHARS, NAME_PATTERN, VERSION_PATTERN
 from agents.models import AgentPackage, ReclamationRequest
 from agents.reclamations import reclamation_create
-from sageproject.api import JSONObjectField, StrictFieldsMixin
+from sageproject.api import ErrorEnvelopeSerializer, JSONObjectField, StrictFieldsMixin
 from sageproject.errors import NotFoundError
-from sageproject.parsers import query_bool
+from sageproject.parsers import BOOL_VALUES, query_bool
+
+
+def _ecma(pattern: str) -> str:
+    """A Python pattern anchored with ``\\A``/``\\Z`` as the schema writes it (ECMA anchors)."""
+    return "^" + pattern.removeprefix(r"\A").removesuffix(r"\Z") + "$"
+
+
+# The manifest's outline as the schema shows it: what `agents.manifest.parse_manifest`
+# requires of the top level (the keys, their JSON types, the name and version rules). What
+# no schema can say — the entrypoint naming one of the agents or flows, the agents' and
+# flows' own rules, the bundled paths — is refused with 400 ``package.invalid`` listing
+# every problem.
+MANIFEST_SCHEMA = {
+    "type": "object",
+    "description": "The package manifest (DESIGN §4).",
+    "required": ["name", "version", "entrypoint", "agents"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "pattern": _ecma(NAME_PATTERN), "maxLength": 100},
+        "version": {
+            "type": "string",
+            "pattern": _ecma(VERSION_PATTERN),
+            "maxLength": MAX_VERSION_CHARS,
+        },
+        "entrypoint": {
+            "type": "string",
+            "minLength": 1,
+            "description": "An agent id or a flow id of this manifest.",
+        },
+        "agents": {
+            "type": "object",
+            "minProperties": 1,
+            "additionalProperties": {"type": "object"},
+            "description": "Agent id → agent (model, instructions, tools, skills, ...).",
+        },
+        "flows": {
+            "type": "object",
+            "nullable": True,
+            "additionalProperties": {"type": "object"},
+        },
+        "files": {
+            "type": "object",
+            "nullable": True,
+            "additionalProperties": {"type": "string"},
+            "description": "Relative path → text.",
+        },
+    },
+}
+
+
+@extend_schema_field(MANIFEST_SCHEMA)
+class ManifestField(JSONObjectField):
+    """A package manifest: a JSON object, checked in full by ``parse_manifest``."""
 
 
 class PackageCreateSerializer(StrictFieldsMixin, serializers.Serializer):
-    manifest = JSONObjectField(help_text="The package manifest (DESIGN §4).")
+    manifest = ManifestField(help_text="The package manifest (DESIGN §4).")
     activate = serializers.BooleanField(default=True)
 
 
@@ -41,7 +101,12 @@ class PackageActivateSerializer(StrictFieldsMixin, serializers.Serializer):
 
 
 class PackageForkSerializer(StrictFieldsMixin, serializers.Serializer):
-    version = serializers.CharField(max_length=50)
+    version = serializers.CharField(
+        max_length=MAX_VERSION_CHARS,
+        trim_whitespace=False,
+        validators=[RegexValidator(VERSION_PATTERN, "must be MAJOR.MINOR.PATCH, e.g. '1.0.0'")],
+        help_text="The new version: MAJOR.MINOR.PATCH, e.g. '1.0.1'.",
+    )
 
 
 class PackageSerializer(serializers.ModelSerializer):
@@ -79,6 +144,13 @@ class PackageViewSet(
         responses={
             200: OpenApiResponse(PackageSerializer, description="This version exists already."),
             201: PackageSerializer,
+            400: OpenApiResponse(
+                ErrorEnvelopeSerializer,
+                description="A field that breaks its rule (request.invalid), a manifest that "
+                "does not validate (package.invalid: details.errors lists every problem, e.g. "
+                "an entrypoint naming no agent or flow) or, in strict mode, one whose tools, "
+                "skills or model records are missing (package.not_ready).",
+            ),
         },
     )
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
@@ -94,8 +166,22 @@ class PackageViewSet(
 
     @extend_schema(
         request=PackageValidateSerializer,
-        parameters=[OpenApiParameter("strict", bool, description="Same as the body flag.")],
-        responses={200: dict},
+        parameters=[
+            OpenApiParameter(
+                "strict",
+                {"type": "string", "enum": list(BOOL_VALUES)},
+                description="Same as the body flag (which wins when both are given).",
+            )
+        ],
+        responses={
+            200: dict,
+            400: OpenApiResponse(
+                ErrorEnvelopeSerializer,
+                description="A field or query parameter that breaks its rule "
+                "(request.invalid) or, strict, a version whose tools, skills or model records "
+                "are missing (package.not_ready, listing them).",
+            ),
+        },
     )
     @action(detail=True, methods=["post"])
     def validate(self, request: Request, pk: str | None = None) -> Response:
@@ -105,9 +191,10 @@ class PackageViewSet(
         package = self._own(pk)
         data = PackageValidateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        query = query_bool(request, "strict")  # read (and refused when invalid) either way
         strict = data.validated_data.get("strict")
         if strict is None:
-            strict = query_bool(request, "strict")
+            strict = query
         report = packages.package_validate(
             owner=request.user, package=package, readiness=True, strict=bool(strict)
         )

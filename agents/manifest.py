@@ -39,8 +39,14 @@ NODE_TYPES = ("agent", "tool", "subflow", "parallel", "end")
 # Ids (agents, flows, nodes, tools, skills) are plain words: they appear in URLs, admin
 # pages and event payloads, and the flow executor uses "/" to qualify subflow node ids.
 _ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-_VERSION_RE = re.compile(r"^\d{1,9}\.\d{1,9}\.\d{1,9}(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
+# The package name and version rules, stated once: the API's serializers and the OpenAPI
+# schema use these patterns too (``\A``/``\Z``: the whole string, no trailing newline;
+# ASCII digits only). A version fits the column (50 characters).
+NAME_PATTERN = r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,99}\Z"
+VERSION_PATTERN = r"\A[0-9]{1,9}\.[0-9]{1,9}\.[0-9]{1,9}(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?\Z"
+MAX_VERSION_CHARS = 50
+_NAME_RE = re.compile(NAME_PATTERN)
+_VERSION_RE = re.compile(VERSION_PATTERN)
 _DRIVE_RE = re.compile(r"^[A-Za-z]:")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -317,8 +323,16 @@ def parse_manifest(data: dict[str, Any] | str | bytes, *, yaml_ok: bool = False)
             "starting with a letter or digit",
         )
     version = raw.get("version")
-    if not isinstance(version, str) or not _VERSION_RE.match(version):
-        problems.add("version", "version is required as MAJOR.MINOR.PATCH, e.g. '1.0.0'")
+    if (
+        not isinstance(version, str)
+        or not _VERSION_RE.match(version)
+        or len(version) > MAX_VERSION_CHARS
+    ):
+        problems.add(
+            "version",
+            f"version is required as MAJOR.MINOR.PATCH, e.g. '1.0.0' "
+            f"(at most {MAX_VERSION_CHARS} characters)",
+        )
 
     files = _normalize_files(raw.get("files"), problems)
     agents = _normalize_agents(raw.get("agents"), files, problems)

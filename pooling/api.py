@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.core.validators import RegexValidator
 from django.db.models import Q
 from rest_framework import serializers, viewsets
 
@@ -9,8 +10,38 @@ from pooling import services
 from pooling.models import ModelRecord
 from sageproject.api import JSONObjectField, StrictFieldsMixin
 
+# What ``base_url`` takes, stated once for the server and the schema (the field's
+# ``pattern``): http or https, a host — DNS labels of 1-63 letters, digits and hyphens, an
+# IPv4 address, a bracketed IPv6 address — an optional port (0-65535), then an optional
+# path and query of URI characters (RFC 3986: unreserved, sub-delimiters, ":", "@", "/",
+# "%XX"). Single-label hosts (``http://ollama:11434``) are fine; Django's URLValidator,
+# which insists on a top-level domain and refuses hosts longer than 253 characters, would
+# refuse values a schema cannot describe. Empty (allowed besides the pattern, as the
+# schema's oneOf says): the protocol's default endpoint.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
+_URI_CHAR = r"(?:[A-Za-z0-9._~!$&'()*+,;=:@/-]|%[0-9A-Fa-f]{2})"
+BASE_URL_PATTERN = (
+    rf"\Ahttps?://(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:.]{{2,45}}\])(?::{_PORT})?"
+    rf"(?:/{_URI_CHAR}*)?(?:\?(?:{_URI_CHAR}|\?)*)?\Z"
+)
+
 
 class ModelRecordSerializer(StrictFieldsMixin, serializers.ModelSerializer):
+    base_url = serializers.CharField(
+        max_length=500,
+        required=False,
+        allow_blank=True,
+        trim_whitespace=False,
+        validators=[
+            RegexValidator(
+                BASE_URL_PATTERN,
+                "Enter an http or https URL: host (DNS labels of at most 63 characters), "
+                "optional port, path and query.",
+            )
+        ],
+        help_text="The upstream's base URL (http or https); empty for the protocol's default.",
+    )
     api_key = serializers.CharField(
         write_only=True,
         required=False,

@@ -168,16 +168,19 @@ def int_schema(minimum: int, maximum: int = MAX_QUERY_INT) -> dict[str, Any]:
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
+# Every value a boolean query parameter takes, exactly (its schema's enum).
+BOOL_VALUES = _TRUE + _FALSE
 
 
 def query_bool(request: Request, name: str) -> bool | None:
-    """The boolean query parameter ``name`` (true/false, 1/0, yes/no, on/off), None when
-    absent; anything else is 400 ``request.invalid`` naming it."""
+    """The boolean query parameter ``name`` (true/false, 1/0, yes/no, on/off: `BOOL_VALUES`,
+    lower case as its schema's enum lists them), None when absent; anything else is 400
+    ``request.invalid`` naming it."""
     raw = _raw(request, name)
     if raw is None:
         return None
-    if raw.lower() in _TRUE:
+    if raw in _TRUE:
         return True
-    if raw.lower() in _FALSE:
+    if raw in _FALSE:
         return False
-    raise _invalid(name, "must be true or false")
+    raise _invalid(name, f"must be one of: {', '.join(BOOL_VALUES)}")

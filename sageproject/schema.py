@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.validators import RegexValidator
 from drf_spectacular import openapi
 from rest_framework import serializers
 
@@ -17,8 +18,16 @@ from sageproject.parsers import MAX_JSON_DEPTH
 
 # Strings as the JSON parser and the fields take them: never a NUL (`sageproject.parsers`)
 # and, where blanks are refused after trimming, some character that is not whitespace.
+# (Python reads these patterns the same way: "\uXXXX" escapes, no "\s".)
 NO_NUL = r"^[^\u0000]*$"
-NOT_BLANK = r"^\s*[^\s\u0000][^\u0000]*$"
+NO_NUL_NOT_EMPTY = r"^[^\u0000]+$"
+# Whitespace as the fields trim it (Python's str.strip(), which DRF uses), spelled out:
+# ECMA's "\s" (the schema's regex dialect) leaves out \u001c-\u001f and \u0085 and takes
+# \ufeff, so "\r \u001e" would look not blank to a client and be blank to the server.
+WHITESPACE = (
+    r"\u0009-\u000d\u001c-\u0020\u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+)
+NOT_BLANK = rf"^[{WHITESPACE}]*[^{WHITESPACE}\u0000][^\u0000]*$"
 
 _ERRORS = {
     "400": "Invalid request: a body that is not JSON, or JSON holding a NUL character "
@@ -78,9 +87,17 @@ class AutoSchema(openapi.AutoSchema):
             and isinstance(field, serializers.CharField)
             and schema.get("type") == "string"
             and "pattern" not in schema
+            # A field's own RegexValidator is its pattern (drf-spectacular adds it next).
+            and not any(isinstance(v, RegexValidator) for v in field.validators)
         ):
             # Anchored: schemathesis folds an unanchored "\S" and the lengths into
-            # "^\S{1,n}$", which would make "a b" look invalid.
-            blank_refused = not field.allow_blank and field.trim_whitespace
-            schema["pattern"] = NOT_BLANK if blank_refused else NO_NUL
+            # "^\S{1,n}$", which would make "a b" look invalid. Where blanks are allowed,
+            # drf-spectacular offers "" as a oneOf branch of its own (maxLength 0), so the
+            # pattern must not match it too: oneOf takes exactly one.
+            if field.allow_blank:
+                schema["pattern"] = NO_NUL_NOT_EMPTY
+            elif field.trim_whitespace:
+                schema["pattern"] = NOT_BLANK
+            else:
+                schema["pattern"] = NO_NUL
         return schema

@@ -5,6 +5,7 @@ every database (a NUL that PostgreSQL cannot store is refused on SQLite too), an
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -221,9 +222,17 @@ def test_the_schema_documents_errors_unknown_fields_blanks_and_pages(alice_api):
     session = schema["components"]["schemas"]["SessionCreateRequest"]
     assert session["additionalProperties"] is False
     assert session["properties"]["package"]["minLength"] == 1
-    assert session["properties"]["package"]["pattern"] == r"^\s*[^\s\u0000][^\u0000]*$"
-    title = session["properties"]["title"]["oneOf"][0]  # or "" (drf-spectacular's form)
-    assert title["pattern"] == r"^[^\u0000]*$" and "minLength" not in title
+    # Python's whitespace spelled out (ECMA's "\s" differs): "\r \u001e" is blank to both.
+    blank_ok = session["properties"]["package"]["pattern"]
+    assert blank_ok.startswith(r"^[\u0009-\u000d\u001c-\u0020\u0085")
+    for value in ("\r \u001e", "\u3000", " \x85 "):
+        assert not re.fullmatch(blank_ok, value) and not value.strip(), repr(value)
+    for value in ("a b", "\ufeff", " x\n"):
+        assert re.fullmatch(blank_ok, value) and value.strip(), repr(value)
+    # Or "" (drf-spectacular's form): the pattern leaves "" to the other branch (oneOf).
+    title, blank = session["properties"]["title"]["oneOf"]
+    assert title["pattern"] == r"^[^\u0000]+$" and "minLength" not in title
+    assert blank == {"type": "string", "maxLength": 0}
 
     pages = {
         path: {
@@ -346,3 +355,153 @@ def test_routes_have_no_format_suffix_twins(alice, alice_api, make_session):
         response = alice_api.post(url) if "cancel" in url else alice_api.get(url)
         assert response.status_code == 404, url
         assert response.json()["error"]["code"]
+
+
+# --- the schema and the server agree (schemathesis ST108, ST201, ST202) --------------------
+
+
+def _schema(api) -> dict:
+    return api.get("/api/schema/?format=json").json()
+
+
+def _sse_events(body: bytes) -> list[dict]:
+    """The events of a text/event-stream body as the SSE format defines them (comments and
+    blocks without data skipped; ``id`` carried over), the form the schema describes."""
+    events, last_id = [], None
+    for block in body.decode().split("\n\n"):
+        fields: dict = {}
+        data: list[str] = []
+        for line in block.split("\n"):
+            if not line or line.startswith(":"):
+                continue
+            name, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if name == "data":
+                data.append(value)
+            elif name == "retry":
+                fields["retry"] = int(value)
+            elif name in ("event", "id"):
+                fields[name] = value
+        last_id = fields.get("id", last_id)
+        if data:
+            event = {"event": "message", **fields, "data": "\n".join(data)}
+            if last_id is not None:
+                event["id"] = last_id
+            events.append(event)
+    return events
+
+
+@pytest.mark.django_db(transaction=True)  # the stream reads the events in another thread
+def test_the_stream_is_documented_as_the_server_sent_events_it_sends(
+    alice, alice_api, alice_session
+):
+    import asyncio
+
+    import jsonschema
+
+    from agents import services
+    from scheduling.models import Event
+
+    schema = _schema(alice_api)
+    ok = schema["paths"]["/api/v1/sessions/{id}/stream/"]["get"]["responses"]["200"]
+    assert list(ok["content"]) == ["text/event-stream"]
+    assert ok["content"]["text/event-stream"]["schema"] == {
+        "$ref": "#/components/schemas/StreamEvent"
+    }
+    event_schema = schema["components"]["schemas"]["StreamEvent"]
+    assert set(event_schema["required"]) == {"event", "data"}
+
+    run, _ = services.run_submit(owner=alice, session_id=alice_session.pk, input="x")
+    for seq in (1, 2):
+        Event.objects.create(
+            session=alice_session, seq=seq, run=run, type="message.completed", data="{}"
+        )
+    response = alice_api.get(f"/api/v1/sessions/{alice_session.pk}/stream/", {"timeout": 1})
+    assert response["Content-Type"] == "text/event-stream"
+
+    async def collect() -> bytes:
+        return b"".join([chunk async for chunk in response.streaming_content])
+
+    events = _sse_events(asyncio.run(collect()))
+    assert [e["id"] for e in events] == ["1", "2"]
+    for event in events:
+        jsonschema.validate(event, event_schema)  # what schemathesis checks, event by event
+
+
+def test_validate_refuses_what_its_schema_forbids(alice_api, make_session, alice):
+    make_session(alice)
+    package = AgentPackage.objects.get(owner=alice)
+    url = f"/api/v1/packages/{package.pk}/validate/"
+    operation = _schema(alice_api)["paths"]["/api/v1/packages/{id}/validate/"]["post"]
+    strict = next(p for p in operation["parameters"] if p["name"] == "strict")
+    assert strict["schema"] == {
+        "type": "string",
+        "enum": ["true", "1", "yes", "on", "false", "0", "no", "off"],
+    }
+    assert alice_api.post(url, {"strict": True}, format="json").status_code == 200
+    assert alice_api.post(f"{url}?strict=yes", {}, format="json").status_code == 200
+    for query, body in [
+        ("", {"strict": True, "extra": 1}),  # additionalProperties: false
+        ("", {"strict": "yes"}),  # a boolean, not a string
+        ("?strict=TRUE", {}),  # not in the enum
+        ("?strict=maybe", {"strict": False}),  # refused even when the body decides
+    ]:
+        response = alice_api.post(url + query, body, format="json")
+        assert response.status_code == 400, (query, body)
+        assert response.json()["error"]["code"] == "request.invalid"
+
+
+def test_a_base_url_is_answered_as_its_schema_pattern_says(alice_api):
+    schema = _schema(alice_api)["components"]["schemas"]["ModelRecordRequest"]
+    pattern, blank = schema["properties"]["base_url"]["oneOf"]
+    assert blank == {"type": "string", "maxLength": 0}
+    label63 = "a" * 63
+    samples = [
+        "https://" + ".".join([label63] * 7) + "/v1",  # long (455 characters) but valid
+        "http://ollama:11434",  # a single-label host
+        "http://127.0.0.1:8080/v1?api-version=2024-01-01",
+        "http://[::1]:8000/",
+        "https://" + "b" * 64 + ".example.com",  # a label over 63 characters
+        "ftp://example.com/",
+        "http://example.com:65536/",
+        "http://example.com/a b",
+        " http://example.com",
+        "https://example.com/\n",
+    ]
+    for index, url in enumerate(samples):
+        # fullmatch: ECMA's "$" (the schema's) takes no trailing newline, Python's would.
+        valid = len(url) <= pattern["maxLength"] and re.fullmatch(pattern["pattern"], url)
+        response = alice_api.post(
+            "/api/v1/model-records/",
+            {"name": f"r{index}", "protocol": "openai", "base_url": url},
+            format="json",
+        )
+        assert response.status_code == (201 if valid else 400), (url, response.content)
+    assert [r.base_url for r in ModelRecord.objects.order_by("name")] == samples[:4]
+
+
+def test_fork_and_manifest_versions_follow_the_schema_pattern(alice_api, make_session, alice):
+    make_session(alice)
+    package = AgentPackage.objects.get(owner=alice)
+    schema = _schema(alice_api)["components"]["schemas"]
+    version = schema["PackageForkRequest"]["properties"]["version"]
+    manifest = schema["PackageCreateRequest"]["properties"]["manifest"]
+    assert manifest["properties"]["version"]["pattern"] == version["pattern"]
+    assert manifest["required"] == ["name", "version", "entrypoint", "agents"]
+    fork = f"/api/v1/packages/{package.pk}/fork/"
+    for value, accepted in [
+        ("2.0.0", True),
+        ("2.0.1-rc.1+build.7", True),
+        ("2.0.2\n", False),  # Python's "$" took a trailing newline
+        ("\u0662.0.0", False),  # a non-ASCII digit
+        ("2.0", False),
+        (" 2.0.3", False),
+    ]:
+        assert bool(re.fullmatch(version["pattern"], value)) is accepted, value
+        response = alice_api.post(fork, {"version": value}, format="json")
+        assert response.status_code == (201 if accepted else 400), (value, response.content)
+    # The manifest's name and version follow the same rules.
+    for changes in ({"name": "demo\n"}, {"version": "3.0.0\n"}, {"version": "3.0.0-" + "x" * 50}):
+        response = alice_api.post("/api/v1/packages/", _package(**changes), format="json")
+        assert response.status_code == 400, changes
+        assert response.json()["error"]["code"] == "package.invalid"

@@ -9,11 +9,15 @@ test``) the fuzzing phase with 5. Its JSON report gives the figures: server erro
 headers, body) and every other check's failures by code. The check passes only when
 schemathesis found nothing at all and tested every operation of the schema.
 
-Its settings file (``schemathesis.toml`` here, ``--config-file``) changes one thing: for
-``POST /packages/`` (a manifest's cross-field rules) and ``POST /sessions/`` (the agent
-must be one of the package's), ``positive_data_acceptance`` also takes 400 — schemathesis's
+Its settings file (``schemathesis.toml`` here, ``--config-file``) changes two things. For
+``POST /packages/`` (a manifest's cross-field rules), ``POST /sessions/`` (the agent
+must be one of the package's) and ``POST /packages/{id}/validate/`` (strict: what the host
+lacks), ``positive_data_acceptance`` also takes 400 — schemathesis's
 documented per-operation ``expected-statuses`` for a rejection the schema cannot express.
-Every syntactic rule is in the schema, which the other operations are held to exactly.
+For the model-record operations, whose free-form ``options`` object can hold a key with
+a NUL (which the JSON parser refuses and OpenAPI 3.0 cannot forbid in a key), the
+generator leaves NUL out (``generation.allow-x00 = false``). Every other syntactic rule
+is in the schema, which the other operations are held to exactly.
 """
 
 from __future__ import annotations
