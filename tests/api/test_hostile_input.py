@@ -7,10 +7,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 
 import httpx
@@ -21,8 +17,7 @@ from agents.models import AgentPackage
 from pooling.models import ModelRecord
 from scheduling.models import Run
 from tests.conftest import demo_manifest
-from tests.pgcluster import free_port
-from tests.scheduling.processes import ROOT, worker_env
+from tests.scheduling.processes import live_web_server, worker_env
 
 pytestmark = pytest.mark.django_db
 
@@ -256,33 +251,9 @@ def test_the_schema_documents_errors_unknown_fields_blanks_and_pages(alice_api):
 def web_server(tmp_path) -> Iterator[str]:
     """``uvicorn sageproject.asgi:application`` (the production handler) on this test's
     database, with the default 1 MB request limit; yields its base URL."""
-    port = free_port()
-    log = (tmp_path / "web.log").open("wb")
-    argv = [sys.executable, "-m", "uvicorn", "sageproject.asgi:application"]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--lifespan", "off"]
-    argv += ["--no-access-log", "--log-level", "warning"]
     env = worker_env({"SAGE_MAX_REQUEST_BYTES": None})
-    server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, (tmp_path / "web.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{base}/healthz", timeout=1):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the web server did not come up"
-                time.sleep(0.2)
+    with live_web_server(tmp_path / "web.log", env) as base:
         yield base
-    finally:
-        server.terminate()
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
 
 
 def _chunks(body: bytes, size: int = 65_536) -> Iterator[bytes]:

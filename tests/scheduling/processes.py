@@ -20,11 +20,13 @@ failing test says why without hanging.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -272,3 +274,38 @@ def worker_processes_fixture(tmp_path: Path) -> Iterator[WorkerProcesses]:
                 worker.terminate(timeout=15)
             except Exception:  # teardown goes on to the next worker whatever happens
                 worker.proc.kill()
+
+
+@contextlib.contextmanager
+def live_web_server(log_path: Path, env: Mapping[str, str], *, workers: int = 1) -> Iterator[str]:
+    """``uvicorn sageproject.asgi:application`` (the production handler) with ``env`` and
+    ``workers`` processes on a free loopback port, up when this yields its base URL;
+    stopped (SIGTERM, then SIGKILL after 20 s) on exit."""
+    from tests.pgcluster import free_port
+
+    port = free_port()
+    log = log_path.open("wb")
+    argv = [sys.executable, "-m", "uvicorn", "sageproject.asgi:application"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
+    argv += ["--lifespan", "off", "--no-access-log", "--log-level", "warning"]
+    server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, log_path.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{base}/healthz", timeout=1):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the web server did not come up"
+                time.sleep(0.2)
+        yield base
+    finally:
+        server.terminate()
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()

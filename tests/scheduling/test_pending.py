@@ -8,11 +8,7 @@ and a drift (queued rows deleted without a transition) is corrected by a recount
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import threading
-import time
-import urllib.request
 from collections import Counter
 from datetime import timedelta
 
@@ -26,8 +22,7 @@ from agents import services
 from sageproject.errors import SageError
 from scheduling import pending, runs
 from scheduling.models import PendingCount, Run, RunStatus
-from tests.pgcluster import free_port
-from tests.scheduling.processes import ROOT, worker_env
+from tests.scheduling.processes import live_web_server, worker_env
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -197,35 +192,11 @@ def test_concurrent_admissions_of_many_users_admit_exactly_the_limits(
 def web_server(tmp_path):
     """``uvicorn sageproject.asgi:application --workers 3`` on this test's database, with a
     host limit of 12 and a per-user limit of 5; yields its base URL."""
-    port = free_port()
     env = worker_env(
         {"SAGE_SERVER_MAX_PENDING_RUNS": "12", "SAGE_SERVER_MAX_PENDING_RUNS_PER_USER": "5"}
     )
-    log = (tmp_path / "web.log").open("wb")
-    argv = [sys.executable, "-m", "uvicorn", "sageproject.asgi:application"]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--workers", "3"]
-    argv += ["--lifespan", "off", "--no-access-log", "--log-level", "warning"]
-    server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, (tmp_path / "web.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{base}/healthz", timeout=1):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the web server did not come up"
-                time.sleep(0.2)
+    with live_web_server(tmp_path / "web.log", env, workers=3) as base:
         yield base
-    finally:
-        server.terminate()
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
 
 
 def test_a_flood_on_several_web_processes_admits_exactly_the_limits(
