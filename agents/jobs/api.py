@@ -54,6 +54,7 @@ class RunJobsView(APIView):
         visible = services.scoped(Run.objects.filter(pk=run_id), request.user)
         if not visible.exists():
             raise NotFoundError("run.not_found", "run not found")
+        services.check_read_permission(request.user)  # after the lookup: others' are 404
         rows = JobRecord.objects.filter(run_id=run_id).order_by("-created_at")[:MAX_JOBS_LISTED]
         data = JobRecordSerializer(reversed(list(rows)), many=True).data
         return Response({"results": data})

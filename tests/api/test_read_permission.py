@@ -38,6 +38,7 @@ def _reads(run: Run) -> list[str]:
         f"/api/v1/sessions/{session}/export/",
         "/api/v1/archives/",
         f"/api/v1/archives/{run.pk}/",
+        f"/api/v1/runs/{run.pk}/jobs/",
     ]
 
 
