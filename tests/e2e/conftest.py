@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +12,25 @@ import pytest
 
 from scheduling.models import TERMINAL_STATUSES, Run
 from scheduling.worker import Worker
+
+
+async def _close_executor_connections(loop: asyncio.AbstractEventLoop) -> None:
+    """``connections.close_all()`` in every thread of ``loop``'s default executor: one call
+    per thread, each held at a barrier until all threads have one."""
+    from django.db import connections
+
+    executor = getattr(loop, "_default_executor", None)
+    threads = len(getattr(executor, "_threads", ()))
+    if not threads:
+        return
+    barrier = threading.Barrier(threads, timeout=5)
+
+    def close() -> None:
+        connections.close_all()
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait()
+
+    await asyncio.gather(*(loop.run_in_executor(None, close) for _ in range(threads)))
 
 
 class WorkerThread:
@@ -39,6 +59,13 @@ class WorkerThread:
             from django.db import connections
 
             connections.close_all()
+            # The worker's database calls ran on the loop's default executor, each thread
+            # keeping its connection (MySQL: CONN_MAX_AGE 60). Close them in those threads,
+            # then end the threads: a suite of worker tests would otherwise hold a
+            # connection per thread per test until the server refuses more.
+            self.loop.run_until_complete(_close_executor_connections(self.loop))
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())
+            self.loop.close()
 
     def start(self) -> WorkerThread:
         self.thread.start()
