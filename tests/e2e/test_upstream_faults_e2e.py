@@ -73,6 +73,15 @@ def _settled(run_id: str) -> bool:
     return status in TERMINAL_STATUSES or status == RunStatus.SUSPENDED
 
 
+def _settle(api, start_worker, caplog) -> tuple[str, str, Run]:
+    """Submit a run, start the worker (logging at INFO) and wait until the run settles."""
+    session, run_id = _submit(api)
+    with caplog.at_level(logging.INFO):
+        start_worker()
+        wait_for(lambda: _settled(run_id), message="the run to end")
+    return session, run_id, Run.objects.get(pk=run_id)
+
+
 def _everything_exposed(api, staff, session: str, run_id: str) -> str:
     """What clients, the admin and the database hold of the run."""
     admin = Client()
@@ -117,11 +126,7 @@ def test_it_fails_the_run_with_a_retryable_upstream_error(alice, staff, start_wo
                                                           model, fault, caplog):
     upstream.enqueue(fault_catalogue(API_KEY)[fault])
     api = client_for(alice)
-    session, run_id = _submit(api)
-    with caplog.at_level(logging.INFO):
-        start_worker()
-        wait_for(lambda: _settled(run_id), message="the run to end")
-    run = Run.objects.get(pk=run_id)
+    session, run_id, run = _settle(api, start_worker, caplog)
     assert run.status == RunStatus.FAILED
     assert run.result is None
     assert {k: run.error[k] for k in ("code", "category", "message", "retryable")} == {
@@ -140,11 +145,7 @@ def test_it_fails_the_run_on_a_401_echoing_the_key_without_logging_the_key(
 ):
     upstream.enqueue(fault_catalogue(API_KEY)["unauthorized_echoing_the_key"])
     api = client_for(alice)
-    session, run_id = _submit(api)
-    with caplog.at_level(logging.INFO):
-        start_worker()
-        wait_for(lambda: _settled(run_id), message="the run to end")
-    run = Run.objects.get(pk=run_id)
+    session, run_id, run = _settle(api, start_worker, caplog)
     assert run.status == RunStatus.FAILED
     assert (run.error["code"], run.error["retryable"], run.error["message"]) == (
         "upstream.auth", False,

@@ -10,7 +10,6 @@ runs it admits); the web process lives as long as the host.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from tests.pgcluster import free_port
 from tests.scheduling.processes import ROOT, worker_env
 
 STARTUP_TIMEOUT = 90.0  # two shared cores, a Django start-up per process
@@ -39,12 +39,6 @@ HOST_ENV = {
     "SAGE_MAX_CONCURRENT_MODEL_CALLS": "8",
     "SAGE_AUTO_RELEASE_IDLE_SECONDS": "0",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Child:
