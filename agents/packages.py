@@ -20,11 +20,10 @@ from agents.readiness import ReadinessResult, check_readiness, raise_if_not_read
 from agents.skills import SkillRegistry
 from agents.tools import ToolRegistry, build_registry
 from sageproject.dblocks import named_lock
-from sageproject.errors import ConflictError, NotFoundError, ValidationError
+from sageproject.errors import ConflictError, NotFoundError
 
 VALIDATION_SCOPE = "schema, composition and resource discovery; no quality evaluation"
 REUSED_SCOPE = "previously saved immutable version; resources not rechecked"
-LIST_MAX_LIMIT = 100
 
 
 def _split(manifest: Manifest) -> tuple[dict[str, Any], dict[str, str]]:
@@ -295,20 +294,3 @@ def package_activate(*, owner, package: AgentPackage, expected_ref: str | None) 
         )
         AgentPackage.objects.filter(pk=package.pk).update(active=True)
     return {"ref": package.ref, "previous_ref": previous_ref, "package": package.name}
-
-
-def check_limit(value: Any, *, name: str = "limit", default: int = 50) -> int:
-    """Parse an inventory page size: an integer 1..100, else ``ValidationError``."""
-    if value in (None, ""):
-        return default
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        number = 0
-    if not 1 <= number <= LIST_MAX_LIMIT:
-        raise ValidationError(
-            "package.pagination_invalid",
-            f"invalid inventory pagination: {name} must be 1..{LIST_MAX_LIMIT}",
-            details={"fields": {name: [f"must be an integer from 1 to {LIST_MAX_LIMIT}"]}},
-        )
-    return number

@@ -193,14 +193,6 @@ def test_it_checks_model_records_the_owner_can_see(alice, bob, scripted_record):
     assert body["readiness"]["agents"]["assistant"]["missing_model"] == "private"
 
 
-def test_it_limits_inventory_pages_to_one_to_a_hundred():
-    assert packages.check_limit("100") == 100
-    for bad in ("0", "101", "x"):
-        with pytest.raises(SageError) as invalid:
-            packages.check_limit(bad)
-        assert invalid.value.code == "package.pagination_invalid"
-
-
 def _archived(user):
     from scheduling.models import Session
 
