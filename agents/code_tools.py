@@ -24,10 +24,11 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from agents.tools import Tool, ToolContext, ToolError, ToolHandler
-from pooling.elastic import ElasticPool, Janitor, SpareFactory, spares_for
+from pooling.elastic import ElasticPool, Janitor, SpareFactory, pool_with_spares, spares_for
 from pooling.interpreters import (
     InterpreterLimits,
     InterpreterResult,
@@ -182,17 +183,24 @@ async def _worker_only(args: dict[str, Any], ctx: ToolContext) -> str:
     raise ToolError("the code tools run only inside a worker")
 
 
+def code_tools_enabled() -> bool:
+    """Whether the operator enabled the code tools and the code job kinds: ``SAGE_CODE_TOOLS``
+    as ``sageproject.config`` read it into ``settings.SAGE`` (the one reading of a Django
+    process; a Celery job worker reads the configuration itself, ``agents.jobs.tasks``)."""
+    from django.conf import settings  # this module stays importable without Django
+
+    return bool(settings.SAGE["SAGE_CODE_TOOLS"])
+
+
 def discovery_tools(*, enabled: bool | None = None) -> list[Tool]:
     """The code tools as readiness discovery sees them, without a runtime or a process.
 
-    ``enabled=None`` reads ``settings.SAGE["SAGE_CODE_TOOLS"]``. Empty while disabled, so a
-    package declaring them reports them missing; their handlers only refuse (``ToolError``):
-    the web process lists them, the worker's :class:`CodeToolsRuntime` runs them.
+    ``enabled=None`` asks ``code_tools_enabled()``. Empty while disabled, so a package
+    declaring them reports them missing; their handlers only refuse (``ToolError``): the web
+    process lists them, the worker's :class:`CodeToolsRuntime` runs them.
     """
     if enabled is None:
-        from django.conf import settings
-
-        enabled = bool(settings.SAGE.get("SAGE_CODE_TOOLS"))
+        enabled = code_tools_enabled()
     if not enabled:
         return []
     return tool_definitions(DEFAULT_LIMITS, _worker_only, _worker_only)
@@ -250,25 +258,19 @@ class CodeToolsRuntime:
     def _add_pool(
         self, name: str, max_size: int, *, resident: int, spares: int, janitor_interval: float
     ) -> None:
-        limits = self.limits
-
-        async def boot() -> WarmInterpreter:
-            return await WarmInterpreter.boot(limits=limits)
-
         # Spares boot ahead of demand so a miss rarely waits a whole boot (bench_elastic's
         # p99); the janitor trims them to one once the pool sits idle. They are
         # resident interpreters too, shown as ``spares`` in capacity().
-        factory = SpareFactory(boot, close_interpreter, spares=spares)
-        self._spares[name] = factory
-        pool = ElasticPool(
-            factory,
+        pool, factory = pool_with_spares(
+            partial(WarmInterpreter.boot, limits=self.limits),
             close_interpreter,
+            spares=spares,
             max_size=max_size,
             resident=resident,
             janitor_interval=janitor_interval,
-            on_close=factory.close,
-            on_idle=factory.trim,
         )
+        if factory is not None:
+            self._spares[name] = factory
         self.pools[name] = pool
         self.janitor.register(pool)
 
@@ -276,15 +278,14 @@ class CodeToolsRuntime:
     def from_settings(cls) -> CodeToolsRuntime:
         """A runtime configured from ``settings.SAGE``.
 
-        Enabled only when ``SAGE_CODE_TOOLS`` is true; the interpreter ceiling is
+        Enabled only when ``code_tools_enabled()``; the interpreter ceiling is
         ``SAGE_SERVER_MAX_CONCURRENT_RUNS`` x 1 (a run executes one tool call at a time).
         """
         from django.conf import settings  # the runtime itself stays importable without Django
 
-        sage = settings.SAGE
         return cls(
-            enabled=bool(sage.get("SAGE_CODE_TOOLS")),
-            max_interpreters=max(1, int(sage.get("SAGE_SERVER_MAX_CONCURRENT_RUNS", 8))),
+            enabled=code_tools_enabled(),
+            max_interpreters=max(1, int(settings.SAGE.get("SAGE_SERVER_MAX_CONCURRENT_RUNS", 8))),
         )
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -328,7 +329,7 @@ class CodeToolsRuntime:
         pools = {
             name: {
                 **pool.stats().as_dict(),
-                "spares": self._spares[name].held,
+                "spares": spare.held if (spare := self._spares.get(name)) else 0,
                 "history": [
                     [round(t, 3), created, in_use] for t, created, in_use in pool.history()
                 ],

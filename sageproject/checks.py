@@ -1,4 +1,8 @@
-"""System checks: every configuration problem found at start-up, one error each."""
+"""System checks: every configuration problem found at start-up, one error each.
+
+Each error carries the id of the rule it breaks (``sageproject.config``); ids are stable,
+so scripts and runbooks may rely on them (docs/OPERATIONS.md, "System checks").
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,4 @@ from django.core.checks import Error, register
 
 @register()
 def check_sage_configuration(app_configs, **kwargs) -> list[Error]:
-    return [
-        Error(message, id=f"sageproject.E{index:03d}")
-        for index, message in enumerate(settings.SAGE_CONFIG.errors, start=1)
-    ]
+    return [Error(problem.message, id=problem.check_id) for problem in settings.SAGE_CONFIG.errors]

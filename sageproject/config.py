@@ -2,7 +2,10 @@
 
 Django-free on purpose: ``manage.py`` and the ASGI entry point validate before Django
 starts, so that a bad value stops start-up with one clear line instead of a traceback, and
-the system check ``sageproject.E001`` reports the same problems under ``manage.py check``.
+the system checks report the same problems under ``manage.py check``. Each rule has its own
+check id (``sageproject.E0xx``), written next to the rule and never renumbered: a new rule
+takes a new id. Processes that load no Django settings (Celery job workers) call ``load``
+themselves.
 """
 
 from __future__ import annotations
@@ -13,14 +16,15 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Limit:
-    """One integer ``SAGE_*`` setting: its default and the smallest value allowed."""
+    """One integer ``SAGE_*`` setting: its default, the values allowed and its check id."""
 
     name: str
+    check_id: str
     default: int | None
     minimum: int
     maximum: int | None = None
@@ -32,81 +36,106 @@ class Limit:
 LIMITS: tuple[Limit, ...] = (
     Limit(
         name="SAGE_SERVER_MAX_MODEL_CLIENTS",
+        check_id="sageproject.E001",
         default=64,
         minimum=1,
         meaning="model SDK client instances in the pool",
     ),
     Limit(
         name="SAGE_SERVER_MAX_CONCURRENT_RUNS",
+        check_id="sageproject.E002",
         default=8,
         minimum=1,
         meaning="executing root runs, all users",
     ),
     Limit(
         name="SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER",
+        check_id="sageproject.E003",
         default=2,
         minimum=1,
         meaning="executing root runs per user",
     ),
     Limit(
         name="SAGE_SERVER_MAX_PENDING_RUNS",
+        check_id="sageproject.E004",
         default=1024,
         minimum=1,
         meaning="queued runs, all users",
     ),
     Limit(
         name="SAGE_SERVER_MAX_PENDING_RUNS_PER_USER",
+        check_id="sageproject.E005",
         default=256,
         minimum=1,
         meaning="queued runs of one user, so one user cannot fill the host's queue",
     ),
     Limit(
         name="SAGE_SERVER_MAX_MANAGED_APPLICATIONS",
+        check_id="sageproject.E006",
         default=32,
         minimum=1,
         meaning="resident Applications",
     ),
     Limit(
         name="SAGE_MAX_CONCURRENT_MODEL_CALLS",
+        check_id="sageproject.E007",
         default=8,
         minimum=1,
         meaning="model calls running at once",
     ),
     Limit(
         name="SAGE_MAX_WAITING_MODEL_CALLS",
+        check_id="sageproject.E008",
         default=128,
         minimum=0,
         meaning="model calls waiting for a slot",
     ),
     Limit(
         name="SAGE_MODEL_QUEUE_TIMEOUT_SECONDS",
+        check_id="sageproject.E009",
         default=60,
         minimum=1,
         meaning="seconds a model call may wait for a slot",
     ),
     Limit(
         name="SAGE_AUTO_RELEASE_IDLE_SECONDS",
+        check_id="sageproject.E010",
         default=300,
         minimum=0,
         allow_none=True,
         meaning="idle seconds before an Application may be released automatically",
     ),
-    Limit(name="SAGE_LEASE_SECONDS", default=30, minimum=2, meaning="run lease length"),
-    Limit(name="SAGE_HEARTBEAT_SECONDS", default=10, minimum=1, meaning="run lease renewal period"),
+    Limit(
+        name="SAGE_LEASE_SECONDS",
+        check_id="sageproject.E011",
+        default=30,
+        minimum=2,
+        meaning="run lease length",
+    ),
+    Limit(
+        name="SAGE_HEARTBEAT_SECONDS",
+        check_id="sageproject.E012",
+        default=10,
+        minimum=1,
+        meaning="run lease renewal period",
+    ),
     Limit(
         name="SAGE_MAX_RUN_ATTEMPTS",
+        check_id="sageproject.E013",
         default=3,
         minimum=1,
         meaning="executions of one run before it is failed",
     ),
     Limit(
         name="SAGE_SHUTDOWN_GRACE_SECONDS",
+        check_id="sageproject.E014",
         default=10,
         minimum=0,
         meaning="seconds running runs get to finish on shutdown",
     ),
     Limit(
         name="SAGE_STORE_WRITERS",
+        check_id="sageproject.E015",
         default=1,
         minimum=1,
         maximum=64,
@@ -114,30 +143,66 @@ LIMITS: tuple[Limit, ...] = (
     ),
     Limit(
         name="SAGE_MAX_REQUEST_BYTES",
+        check_id="sageproject.E016",
         default=1_048_576,
         minimum=1024,
         meaning="largest accepted request body",
     ),
 )
 
-BOOLEANS: dict[str, bool] = {
-    "SAGE_REQUIRE_READINESS": False,
-    "SAGE_CODE_TOOLS": False,
-    "DEBUG": False,
-}
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Boolean:
+    """One on/off setting (1/0, true/false, yes/no, on/off): its default and its check id."""
+
+    name: str
+    check_id: str
+    default: bool = False
+
+
+BOOLEANS: tuple[Boolean, ...] = (
+    Boolean(name="SAGE_REQUIRE_READINESS", check_id="sageproject.E020"),
+    # Enables the code tools and the python_script job kind.
+    Boolean(name="SAGE_CODE_TOOLS", check_id="sageproject.E021"),
+    Boolean(name="DEBUG", check_id="sageproject.E022"),
+)
+
+# The rules that are not one integer's or one boolean's own, each with its id for good.
+CHECK_HEARTBEAT_WITHIN_LEASE = "sageproject.E030"
+CHECK_PER_USER_RUNS_WITHIN_ALL = "sageproject.E031"
+CHECK_DATABASE_URL = "sageproject.E040"
+CHECK_REDIS_URL = "sageproject.E041"
+CHECK_JOB_RUNTIME = "sageproject.E050"
+CHECK_JOB_RUNTIME_BROKER = "sageproject.E051"
+CHECK_JOB_RUNNER_MODULES = "sageproject.E052"
+CHECK_JOBS_REDIS_URL = "sageproject.E053"
+
+JOB_RUNTIMES = ("memory", "celery")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """A value that breaks a rule: the rule's check id and one line naming the variable."""
+
+    check_id: str
+    message: str
 
 
 @dataclass(slots=True)
 class Config:
     values: dict[str, Any] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
+    errors: list[Problem] = field(default_factory=list)
     database: dict[str, Any] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
+
+    def report(self, check_id: str, message: str) -> None:
+        self.errors.append(Problem(check_id, message))
 
 
 def _parse_limit(limit: Limit, raw: str | None) -> tuple[int | None, str | None]:
@@ -158,6 +223,20 @@ def _parse_limit(limit: Limit, raw: str | None) -> tuple[int | None, str | None]
     if value < limit.minimum or (limit.maximum is not None and value > limit.maximum):
         return None, f"{limit.name} must be {rule} (got {raw!r})"
     return value, None
+
+
+def _server_entry(
+    parts: SplitResult, backend: str, *, name: str, user: str, host: str, port: str
+) -> dict[str, Any]:
+    """The connection fields of a database server's URL; the arguments are the defaults."""
+    return {
+        "ENGINE": f"django.db.backends.{backend}",
+        "NAME": unquote(parts.path.lstrip("/")) or name,
+        "USER": unquote(parts.username or user),
+        "PASSWORD": unquote(parts.password or ""),
+        "HOST": parts.hostname or host,
+        "PORT": str(parts.port or port),
+    }
 
 
 def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
@@ -211,12 +290,7 @@ def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
             options["pool"] = {"min_size": 1, "max_size": int(query.pop("pool_max", "20"))}
         options.update(query)
         return {
-            "ENGINE": "django.db.backends.postgresql",
-            "NAME": unquote(parts.path.lstrip("/")) or "postgres",
-            "USER": unquote(parts.username or ""),
-            "PASSWORD": unquote(parts.password or ""),
-            "HOST": parts.hostname or "",
-            "PORT": str(parts.port or ""),
+            **_server_entry(parts, "postgresql", name="postgres", user="", host="", port=""),
             "OPTIONS": options,
             "CONN_MAX_AGE": 0,
             # The pool checks a connection before handing it out: after a database restart
@@ -225,12 +299,9 @@ def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
         }
     if scheme in {"mysql", "mariadb"}:
         return {
-            "ENGINE": "django.db.backends.mysql",
-            "NAME": unquote(parts.path.lstrip("/")) or "test",
-            "USER": unquote(parts.username or "root"),
-            "PASSWORD": unquote(parts.password or ""),
-            "HOST": parts.hostname or "127.0.0.1",
-            "PORT": str(parts.port or "3306"),
+            **_server_entry(
+                parts, "mysql", name="test", user="root", host="127.0.0.1", port="3306"
+            ),
             "OPTIONS": {"charset": "utf8mb4", "isolation_level": "read committed", **query},
             "TEST": {"CHARSET": "utf8mb4", "COLLATION": "utf8mb4_unicode_ci"},
             "CONN_MAX_AGE": 60,
@@ -242,59 +313,138 @@ def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
 
 
 def load(environ: Mapping[str, str] | None = None, *, base_dir: str = ".") -> Config:
-    """Read and check every setting; problems are collected in ``Config.errors``."""
+    """Read and check every setting; problems are collected in ``Config.errors``.
+
+    A value that breaks its rule is reported and replaced by its default.
+    """
     env = os.environ if environ is None else environ
     config = Config()
+    _read_limits(env, config)
+    _read_booleans(env, config)
+    _check_run_limits(config)
+    _read_database(env, config, base_dir=base_dir)
+    config.values["REDIS_URL"] = _read_redis_url(env, config, "REDIS_URL", CHECK_REDIS_URL)
+    _read_jobs(env, config)
+    return config
+
+
+def _read_limits(env: Mapping[str, str], config: Config) -> None:
     for limit in LIMITS:
         value, error = _parse_limit(limit, env.get(limit.name))
         config.values[limit.name] = value if error is None else limit.default
         if error:
-            config.errors.append(error)
-    for name, default in BOOLEANS.items():
-        raw = env.get(name)
-        if raw is None:
-            config.values[name] = default
-        elif raw.strip().lower() in _TRUE:
-            config.values[name] = True
-        elif raw.strip().lower() in _FALSE:
-            config.values[name] = False
-        else:
-            config.values[name] = default
-            config.errors.append(f"{name} must be 1/0, true/false, yes/no or on/off (got {raw!r})")
+            config.report(limit.check_id, error)
+
+
+def _read_booleans(env: Mapping[str, str], config: Config) -> None:
+    for boolean in BOOLEANS:
+        value, error = _parse_boolean(boolean, env.get(boolean.name))
+        config.values[boolean.name] = value
+        if error:
+            config.report(boolean.check_id, error)
+
+
+def _parse_boolean(boolean: Boolean, raw: str | None) -> tuple[bool, str | None]:
+    if raw is None:
+        return boolean.default, None
+    text = raw.strip().lower()
+    if text in _TRUE:
+        return True, None
+    if text in _FALSE:
+        return False, None
+    return (
+        boolean.default,
+        f"{boolean.name} must be 1/0, true/false, yes/no or on/off (got {raw!r})",
+    )
+
+
+def _check_run_limits(config: Config) -> None:
     heartbeat = config.values["SAGE_HEARTBEAT_SECONDS"]
     lease = config.values["SAGE_LEASE_SECONDS"]
     if heartbeat and lease and heartbeat * 2 > lease:
-        config.errors.append(
+        config.report(
+            CHECK_HEARTBEAT_WITHIN_LEASE,
             f"SAGE_HEARTBEAT_SECONDS ({heartbeat}) must be at most half of "
-            f"SAGE_LEASE_SECONDS ({lease})"
+            f"SAGE_LEASE_SECONDS ({lease})",
         )
     if (
         config.values["SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER"]
         > config.values["SAGE_SERVER_MAX_CONCURRENT_RUNS"]
     ):
-        config.errors.append(
+        config.report(
+            CHECK_PER_USER_RUNS_WITHIN_ALL,
             "SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER must not exceed "
-            "SAGE_SERVER_MAX_CONCURRENT_RUNS"
+            "SAGE_SERVER_MAX_CONCURRENT_RUNS",
         )
+
+
+def _read_database(env: Mapping[str, str], config: Config, *, base_dir: str) -> None:
     url = env.get("DATABASE_URL", "").strip() or "sqlite:///db.sqlite3"
     try:
         config.database = parse_database_url(url, base_dir=base_dir)
     except ValueError as exc:
-        config.errors.append(str(exc))
+        config.report(CHECK_DATABASE_URL, str(exc))
         config.database = parse_database_url("sqlite:///db.sqlite3", base_dir=base_dir)
-    redis_url = env.get("REDIS_URL", "").strip() or None
-    if redis_url and not redis_url.startswith(("redis://", "rediss://", "unix://")):
-        config.errors.append(
-            f"REDIS_URL must start with redis://, rediss:// or unix:// (got {redis_url!r})"
+
+
+def _read_redis_url(env: Mapping[str, str], config: Config, name: str, check_id: str) -> str | None:
+    """A Redis URL setting, ``None`` when unset (or invalid, which is reported)."""
+    url = env.get(name, "").strip() or None
+    if url and not url.startswith(_REDIS_SCHEMES):
+        config.report(
+            check_id, f"{name} must start with redis://, rediss:// or unix:// (got {url!r})"
         )
-        redis_url = None
-    config.values["REDIS_URL"] = redis_url
-    return config
+        return None
+    return url
+
+
+def _read_jobs(env: Mapping[str, str], config: Config) -> None:
+    """The background job settings: the runtime, the runner modules, the jobs' Redis."""
+    config.values["SAGE_JOB_RUNTIME"] = _job_runtime(env, config)
+    config.values["SAGE_JOB_RUNNER_MODULES"] = _module_names(
+        env, config, "SAGE_JOB_RUNNER_MODULES", CHECK_JOB_RUNNER_MODULES
+    )
+    config.values["SAGE_JOBS_REDIS_URL"] = _read_redis_url(
+        env, config, "SAGE_JOBS_REDIS_URL", CHECK_JOBS_REDIS_URL
+    )
+
+
+def _job_runtime(env: Mapping[str, str], config: Config) -> str:
+    """``memory`` or ``celery``: as ``SAGE_JOB_RUNTIME`` says, else Celery when Redis is set."""
+    redis_url = config.values["REDIS_URL"]
+    automatic = "celery" if redis_url else "memory"
+    choice = env.get("SAGE_JOB_RUNTIME", "").strip().lower()
+    if not choice:
+        return automatic
+    if choice not in JOB_RUNTIMES:
+        config.report(
+            CHECK_JOB_RUNTIME,
+            f"SAGE_JOB_RUNTIME must be one of {', '.join(JOB_RUNTIMES)} (got {choice!r})",
+        )
+        return automatic
+    if choice == "celery" and not redis_url:
+        config.report(
+            CHECK_JOB_RUNTIME_BROKER, "SAGE_JOB_RUNTIME=celery needs REDIS_URL (the Celery broker)"
+        )
+        return automatic
+    return choice
+
+
+def _module_names(
+    env: Mapping[str, str], config: Config, name: str, check_id: str
+) -> tuple[str, ...]:
+    """A comma-separated list of dotted Python module names (empty when unset)."""
+    raw = env.get(name, "")
+    modules = tuple(m.strip() for m in raw.split(",") if m.strip())
+    if not all(part.isidentifier() for module in modules for part in module.split(".")):
+        config.report(check_id, f"{name} must be comma-separated Python module names (got {raw!r})")
+        return ()
+    return modules
 
 
 def exit_on_errors(config: Config, *, program: str = "sage") -> None:
     """Print one line per problem to stderr and exit 2 when there is any."""
     if config.errors:
         for error in config.errors:
-            print(f"{program}: configuration error: {error}", file=sys.stderr)
+            print(f"{program}: configuration error: {error.message}", file=sys.stderr)
         raise SystemExit(2)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,14 +23,21 @@ def test_it_uses_the_documented_defaults():
     assert loaded["SAGE_MAX_CONCURRENT_MODEL_CALLS"] == 8
     assert loaded["SAGE_AUTO_RELEASE_IDLE_SECONDS"] == 300
     assert loaded["SAGE_CODE_TOOLS"] is False
+    assert loaded["SAGE_JOB_RUNTIME"] == "memory"
+    assert loaded["SAGE_JOB_RUNNER_MODULES"] == ()
+    assert loaded["SAGE_JOBS_REDIS_URL"] is None
     assert loaded.database["ENGINE"] == "django.db.backends.sqlite3"
+
+
+def messages(loaded: config.Config) -> list[str]:
+    return [problem.message for problem in loaded.errors]
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "abc", "1.5"])
 def test_it_rejects_a_bad_limit_with_one_line_naming_the_variable(value):
     loaded = config.load({"SAGE_SERVER_MAX_CONCURRENT_RUNS": value})
     assert len(loaded.errors) == 1
-    assert loaded.errors[0].startswith("SAGE_SERVER_MAX_CONCURRENT_RUNS must be an integer")
+    assert messages(loaded)[0].startswith("SAGE_SERVER_MAX_CONCURRENT_RUNS must be an integer")
 
 
 def test_it_accepts_none_for_auto_release():
@@ -42,13 +50,13 @@ def test_it_rejects_a_per_user_limit_above_the_global_one():
     loaded = config.load(
         {"SAGE_SERVER_MAX_CONCURRENT_RUNS": "2", "SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER": "3"}
     )
-    assert any("PER_USER" in e for e in loaded.errors)
+    assert any("PER_USER" in e for e in messages(loaded))
 
 
 def test_it_rejects_an_unknown_database_scheme():
     loaded = config.load({"DATABASE_URL": "oracle://x/y"})
     assert len(loaded.errors) == 1
-    assert loaded.errors[0].startswith("DATABASE_URL must start with sqlite://")
+    assert messages(loaded)[0].startswith("DATABASE_URL must start with sqlite://")
 
 
 def test_it_parses_server_database_urls():
@@ -111,5 +119,122 @@ def test_it_reports_the_problem_as_a_system_check(settings):
 
     settings.SAGE_CONFIG = config.load({"SAGE_LEASE_SECONDS": "x"})
     errors = check_sage_configuration(None)
-    assert [e.id for e in errors] == ["sageproject.E001"]
+    assert [e.id for e in errors] == ["sageproject.E011"]
     assert "SAGE_LEASE_SECONDS" in errors[0].msg
+
+
+# --- background jobs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("environ", "runtime"),
+    [
+        ({}, "memory"),
+        ({"REDIS_URL": "redis://127.0.0.1:6379/13"}, "celery"),
+        ({"REDIS_URL": "redis://127.0.0.1:6379/13", "SAGE_JOB_RUNTIME": " Memory "}, "memory"),
+        ({"REDIS_URL": "redis://127.0.0.1:6379/13", "SAGE_JOB_RUNTIME": "celery"}, "celery"),
+    ],
+)
+def test_it_picks_the_job_runtime_celery_by_default_when_redis_is_set(environ, runtime):
+    loaded = config.load(environ)
+    assert loaded.errors == []
+    assert loaded["SAGE_JOB_RUNTIME"] == runtime
+
+
+@pytest.mark.parametrize(
+    ("environ", "problem"),
+    [
+        (
+            {"SAGE_JOB_RUNTIME": "kubernetes", "REDIS_URL": "redis://127.0.0.1:6379/13"},
+            config.Problem(
+                "sageproject.E050",
+                "SAGE_JOB_RUNTIME must be one of memory, celery (got 'kubernetes')",
+            ),
+        ),
+        (
+            {"SAGE_JOB_RUNTIME": "celery"},
+            config.Problem(
+                "sageproject.E051", "SAGE_JOB_RUNTIME=celery needs REDIS_URL (the Celery broker)"
+            ),
+        ),
+        (
+            {"SAGE_JOB_RUNNER_MODULES": "ok.module, not-a-module"},
+            config.Problem(
+                "sageproject.E052",
+                "SAGE_JOB_RUNNER_MODULES must be comma-separated Python module names "
+                "(got 'ok.module, not-a-module')",
+            ),
+        ),
+        (
+            {"SAGE_JOBS_REDIS_URL": "http://cache"},
+            config.Problem(
+                "sageproject.E053",
+                "SAGE_JOBS_REDIS_URL must start with redis://, rediss:// or unix:// "
+                "(got 'http://cache')",
+            ),
+        ),
+        (
+            {"SAGE_CODE_TOOLS": "maybe"},
+            config.Problem(
+                "sageproject.E021",
+                "SAGE_CODE_TOOLS must be 1/0, true/false, yes/no or on/off (got 'maybe')",
+            ),
+        ),
+    ],
+)
+def test_it_rejects_a_bad_job_setting_with_its_own_check(environ, problem):
+    assert config.load(environ).errors == [problem]
+
+
+def test_it_reads_the_job_runner_modules_and_the_jobs_redis():
+    loaded = config.load(
+        {
+            "SAGE_JOB_RUNNER_MODULES": " reports.jobs ,, billing ",
+            "SAGE_JOBS_REDIS_URL": "redis://jobs:6379/2",
+        }
+    )
+    assert loaded.errors == []
+    assert loaded["SAGE_JOB_RUNNER_MODULES"] == ("reports.jobs", "billing")
+    assert loaded["SAGE_JOBS_REDIS_URL"] == "redis://jobs:6379/2"
+
+
+def test_it_stops_a_job_worker_with_one_clear_line():
+    env = {**os.environ, "SAGE_JOB_RUNNER_MODULES": "not-a-module"}
+    code = "import agents.jobs.tasks as t; t._stop_on_configuration_errors()"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "sage-jobs: configuration error: SAGE_JOB_RUNNER_MODULES must be comma-separated "
+        "Python module names (got 'not-a-module')"
+    )
+
+
+# --- system check ids --------------------------------------------------------------------
+
+
+def rule_ids() -> list[str]:
+    """Every rule's check id: each integer's, each boolean's and the named rules'."""
+    named = [value for name, value in vars(config).items() if name.startswith("CHECK_")]
+    return [s.check_id for s in (*config.LIMITS, *config.BOOLEANS)] + named
+
+
+def test_each_rule_has_its_own_check_id():
+    ids = rule_ids()
+    assert len(ids) == len(set(ids))
+    assert all(re.fullmatch(r"sageproject\.E0\d\d", check_id) for check_id in ids)
+
+
+def test_each_check_id_keeps_its_number_whatever_else_is_wrong():
+    # By position these would be E001 and E002; by rule they stay the rule's own.
+    loaded = config.load({"SAGE_STORE_WRITERS": "65", "REDIS_URL": "http://x"})
+    assert [p.check_id for p in loaded.errors] == ["sageproject.E015", "sageproject.E041"]
+    alone = config.load({"REDIS_URL": "http://x"})
+    assert [p.check_id for p in alone.errors] == ["sageproject.E041"]
+
+
+def test_the_operations_guide_lists_every_check_id():
+    guide = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    section = guide.split("## System checks", 1)[1].split("\n## ", 1)[0]
+    assert [i for i in rule_ids() if f"`{i}`" not in section] == []

@@ -28,7 +28,6 @@ from agents.jobs.base import (
     JobState,
     JobStream,
     Runner,
-    code_tools_enabled,
 )
 from agents.jobs.memory import InMemoryJobRuntime
 
@@ -56,7 +55,6 @@ __all__ = [
     "JobState",
     "JobStream",
     "Runner",
-    "code_tools_enabled",
 ]
 
 

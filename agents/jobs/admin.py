@@ -2,7 +2,7 @@
 
 Importing this module registers the admin (``agents/admin.py`` imports it). The cancel action
 only sets ``cancel_requested``: the worker that runs the job applies it
-(``agents.jobs.glue.apply_cancel_requests``), because the admin process holds no runtime.
+(``agents.jobs.reconcile.apply_cancel_requests``), because the admin process holds no runtime.
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from agents.jobs.base import TERMINAL_STATES
+from agents.jobs.records import unfinished
 from agents.models import JobRecord
-
-_TERMINAL_VALUES = [str(state) for state in TERMINAL_STATES]
 
 
 @admin.register(JobRecord)
@@ -36,20 +34,8 @@ class JobRecordAdmin(admin.ModelAdmin):
     list_select_related = ["owner", "run"]
     date_hierarchy = "created_at"
     ordering = ["-created_at"]
-    readonly_fields = [
-        "job_id",
-        "run",
-        "owner",
-        "kind",
-        "state",
-        "output_bytes",
-        "output_chunks",
-        "output_truncated",
-        "error",
-        "cancel_requested",
-        "created_at",
-        "updated_at",
-    ]
+    # Every field but the key, none editable: the rows mirror the job runtime.
+    readonly_fields = [f.name for f in JobRecord._meta.fields if not f.primary_key]
     actions = ["cancel_jobs"]
 
     def has_add_permission(self, request: HttpRequest, obj: JobRecord | None = None) -> bool:
@@ -70,11 +56,7 @@ class JobRecordAdmin(admin.ModelAdmin):
     @admin.action(description="Cancel selected jobs", permissions=["cancel"])
     def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[JobRecord]) -> None:
         """Mark the selected unfinished jobs for cancellation; the worker stops them."""
-        count = (
-            queryset.exclude(state__in=_TERMINAL_VALUES)
-            .filter(cancel_requested=False)
-            .update(cancel_requested=True)
-        )
+        count = unfinished(queryset).filter(cancel_requested=False).update(cancel_requested=True)
         self.message_user(
             request,
             f"Cancellation requested for {count} job(s); the worker stops them within seconds.",

@@ -1,6 +1,6 @@
 """REST: ``GET /api/v1/runs/{run_id}/jobs``, the background jobs of one run.
 
-Reads ``JobRecord`` rows (kept by ``agents.jobs.glue.JobEventRecorder``), so it answers from
+Reads ``JobRecord`` rows (kept by ``agents.jobs.records.JobEventRecorder``), so it answers from
 any process, with or without a job runtime. Another user's run answers 404 like a missing
 one; staff see every run.
 """
@@ -51,7 +51,7 @@ class RunJobsView(APIView):
     @extend_schema(responses={200: RunJobsListSerializer})
     def get(self, request: Request, run_id: Any) -> Response:
         """200 ``{"results": [...]}`` oldest first; 404 ``run.not_found`` if not visible."""
-        visible = services.scoped(Run.objects.filter(pk=run_id), request.user)
+        visible = Run.objects.visible_to(request.user).filter(pk=run_id)
         if not visible.exists():
             raise NotFoundError("run.not_found", "run not found")
         services.check_read_permission(request.user)  # after the lookup: others' are 404

@@ -22,12 +22,13 @@ This module imports neither Django nor Celery.
 from __future__ import annotations
 
 import asyncio
-import os
+import logging
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from sageproject.errors import (
     ConflictError,
@@ -37,6 +38,8 @@ from sageproject.errors import (
     SageError,
     ValidationError,
 )
+
+logger = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 
@@ -91,6 +94,12 @@ class JobStream(StrEnum):
 
 
 JOB_EVENT_TYPES = ("job.created", "job.started", "job.completed", "job.failed", "job.killed")
+# The event that announces each terminal state.
+TERMINAL_EVENTS: Mapping[JobState, str] = {
+    JobState.COMPLETED: "job.completed",
+    JobState.FAILED: "job.failed",
+    JobState.KILLED: "job.killed",
+}
 
 
 MAX_LABELS = 16
@@ -107,6 +116,14 @@ def _check_labels(labels: Mapping[str, str]) -> None:
             raise ValidationError(
                 "job.invalid_spec", f"label keys and values are 1..{MAX_LABEL_CHARS} characters"
             )
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, StrEnum):
+        return str(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    return value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,17 +161,8 @@ class JobSpec:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "owner_run_id": self.owner_run_id,
-            "kind": self.kind,
-            "payload": dict(self.payload),
-            "pause_behavior": str(self.pause_behavior),
-            "execution_affinity": str(self.execution_affinity),
-            "idempotency_key": self.idempotency_key,
-            "max_output_bytes": self.max_output_bytes,
-            "max_output_chunks": self.max_output_chunks,
-            "labels": dict(self.labels),
-        }
+        """JSON-able: enums as their strings, mappings as dicts; ``from_dict`` reverses it."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
@@ -171,6 +179,8 @@ class JobCursor:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobHandle:
+    """What ``submit`` and ``adopt`` answer: the job's identity and its state then."""
+
     job_id: str
     owner_run_id: str
     kind: str
@@ -183,17 +193,10 @@ class JobHandle:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class JobSnapshot:
-    """A job's full observable state; ``output_cursor.offset`` is the accepted byte total."""
+class JobSnapshot(JobHandle):
+    """A job's full observable state: its handle's fields and more;
+    ``output_cursor.offset`` is the accepted byte total."""
 
-    job_id: str
-    owner_run_id: str
-    kind: str
-    state: JobState
-    pause_behavior: JobPauseBehavior
-    execution_affinity: JobExecutionAffinity
-    output_cursor: JobCursor
-    external_handle_ref: str | None
     created_at: datetime
     updated_at: datetime
     exit_code: int | None = None
@@ -212,16 +215,8 @@ class JobSnapshot:
         return self.state in TERMINAL_STATES
 
     def handle(self) -> JobHandle:
-        return JobHandle(
-            job_id=self.job_id,
-            owner_run_id=self.owner_run_id,
-            kind=self.kind,
-            state=self.state,
-            pause_behavior=self.pause_behavior,
-            execution_affinity=self.execution_affinity,
-            output_cursor=self.output_cursor,
-            external_handle_ref=self.external_handle_ref,
-        )
+        """The handle alone (a plain ``JobHandle``, as ``submit`` answers)."""
+        return JobHandle(**{f.name: getattr(self, f.name) for f in fields(JobHandle)})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -326,15 +321,6 @@ class JobLimits:
         return max_bytes, max_chunks
 
 
-def code_tools_enabled() -> bool:
-    """True when the operator enabled code tools (``SAGE_CODE_TOOLS=1``).
-
-    Accepts the same truthy spellings as ``sageproject.config`` (1/true/yes/on), so a Celery
-    worker and the Django side agree on what the operator meant.
-    """
-    return os.environ.get("SAGE_CODE_TOOLS", "0").strip().lower() in {"1", "true", "yes", "on"}
-
-
 def to_bytes(data: bytes | str) -> bytes:
     if isinstance(data, str):
         return data.encode("utf-8")
@@ -399,27 +385,99 @@ def invalid_argument(message: str) -> SageError:
     return ValidationError("job.invalid_argument", message)
 
 
+def _job_error(code: str, message: str, category: ErrorCategory) -> dict[str, Any]:
+    # A job's ``error`` is always resumable: the job failed, the run that started it is safe.
+    return SageError(code, message, category=category, resumable=True).record()
+
+
 def runner_failed_error(exc: BaseException) -> dict[str, Any]:
-    """The ``error`` of a job whose runner raised; resumable: the run itself is safe."""
+    """The ``error`` of a job whose runner raised."""
     # Truncated: a runner message is not a place for megabytes of payload echo.
-    return SageError(
-        "job.runner_failed",
-        f"job runner failed: {type(exc).__name__}: {str(exc)[:500]}",
-        category=ErrorCategory.UPSTREAM,
-        resumable=True,
-    ).record()
+    message = f"job runner failed: {type(exc).__name__}: {str(exc)[:500]}"
+    return _job_error("job.runner_failed", message, ErrorCategory.UPSTREAM)
 
 
 def killed_error(reason: str) -> dict[str, Any]:
-    return SageError(
-        "job.killed", f"job killed: {reason}", category=ErrorCategory.CANCELLED, resumable=True
-    ).record()
+    return _job_error("job.killed", f"job killed: {reason}", ErrorCategory.CANCELLED)
 
 
 def kind_unsupported_error(kind: str) -> dict[str, Any]:
-    return SageError(
-        "job.kind_unsupported",
-        f"no runner for job kind {kind!r} on this worker",
-        category=ErrorCategory.VALIDATION,
-        resumable=True,
-    ).record()
+    message = f"no runner for job kind {kind!r} on this worker"
+    return _job_error("job.kind_unsupported", message, ErrorCategory.VALIDATION)
+
+
+# --- what both runtimes share ---------------------------------------------------------
+
+
+def end_event(snapshot: JobSnapshot) -> tuple[str, dict[str, Any]]:
+    """The terminal event of an ended job's ``snapshot`` and its data for ``on_event``."""
+    return TERMINAL_EVENTS[snapshot.state], {
+        "exit_code": snapshot.exit_code,
+        "error": snapshot.error,
+        "output_bytes": snapshot.output_bytes,
+        "output_truncated": snapshot.output_truncated,
+    }
+
+
+class JobRuntimeBase(ABC):
+    """The part of a job runtime both runtimes share: limits, capabilities, closing, checks.
+
+    ``limits`` are the keyword fields of ``JobLimits`` (invalid values raise ``ValueError``);
+    ``FLAGS`` are a runtime's capability flags that differ between the runtimes.
+    """
+
+    FLAGS: ClassVar[Mapping[str, bool]]
+
+    def __init__(self, *, on_event: JobEventCallback | None, limits: Mapping[str, Any]) -> None:
+        self.limits = JobLimits(**limits)
+        self._on_event = on_event
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def capabilities(self) -> JobRuntimeCapabilities:
+        return JobRuntimeCapabilities.with_limits(
+            self.limits,
+            adoption=True,
+            suspend=False,
+            output_cursor=True,
+            terminal_purge=True,
+            automatic_retention=True,
+            **self.FLAGS,
+        )
+
+    def _check_open(self) -> None:
+        """``job.runtime_closed`` once the runtime is closed."""
+        if self._closed:
+            raise runtime_closed()
+
+    @staticmethod
+    def _check_pause_behavior(spec: JobSpec) -> None:
+        """``job.pause_behavior_unsupported`` for SUSPEND: no runtime here suspends a job."""
+        if spec.pause_behavior is JobPauseBehavior.SUSPEND:
+            raise pause_behavior_unsupported(str(spec.pause_behavior))
+
+    @staticmethod
+    def _check_read(cursor: JobCursor, max_bytes: int) -> None:
+        """``job.invalid_argument`` for ``max_bytes < 1`` or a negative cursor offset."""
+        if max_bytes < 1:
+            raise invalid_argument("max_bytes must be >= 1")
+        if cursor.offset < 0:
+            raise invalid_argument("cursor offset must be >= 0")
+
+    @abstractmethod
+    async def cancel(
+        self, job_id: str, *, force: bool = False, reason: str = "cancelled"
+    ) -> JobSnapshot: ...
+
+    async def _cancel_all(self, job_ids: list[str], *, reason: str) -> None:
+        """Cancel every job of ``job_ids`` at once; a failure is logged, never raised."""
+        results = await asyncio.gather(
+            *(self.cancel(job_id, reason=reason) for job_id in job_ids), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, SageError):
+                logger.error("job runtime close: cancel failed: %r", result)

@@ -2,8 +2,8 @@
 
 ``echo`` and ``sleep`` are **built-in diagnostics**: trivial kinds that let operators and
 tests check that a runtime (and, for Celery, a worker) accepts, runs, streams and cancels
-jobs. ``python_script`` (see ``python_script.py``) is registered only when
-``SAGE_CODE_TOOLS=1``.
+jobs. ``python_script`` (see ``python_script.py``) is a *code kind*: it is registered
+only where the code tools are enabled (``SAGE_CODE_TOOLS``), by whoever builds the runtime.
 
 - ``echo``: payload ``{"chunks": [str], "repeat": 1, "stream": "stdout", "exit_code": 0,
   "fail": str | None}``; emits every chunk ``repeat`` times, then raises ``RuntimeError(fail)``
@@ -17,14 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from agents.jobs.base import (
-    Emit,
-    JobCompletion,
-    JobSpec,
-    Runner,
-    code_tools_enabled,
-    invalid_argument,
-)
+from agents.jobs.base import Emit, JobCompletion, JobSpec, Runner, invalid_argument
+
+# The kinds that run code the model wrote: accepted only with the code tools enabled.
+CODE_KINDS = ("python_script",)
 
 
 async def echo_runner(spec: JobSpec, emit: Emit, cancel_event: asyncio.Event) -> JobCompletion:
@@ -55,10 +51,12 @@ async def sleep_runner(spec: JobSpec, emit: Emit, cancel_event: asyncio.Event) -
 
 
 def builtin_runners() -> dict[str, Runner]:
-    """The built-in kinds available in this process (``python_script`` only if enabled)."""
-    runners: dict[str, Runner] = {"echo": echo_runner, "sleep": sleep_runner}
-    if code_tools_enabled():
-        from agents.jobs.python_script import python_script_runner
+    """The built-in diagnostics, ``echo`` and ``sleep``."""
+    return {"echo": echo_runner, "sleep": sleep_runner}
 
-        runners["python_script"] = python_script_runner
-    return runners
+
+def code_runners() -> dict[str, Runner]:
+    """The runners of ``CODE_KINDS``, for a process whose code tools are enabled."""
+    from agents.jobs.python_script import python_script_runner
+
+    return {"python_script": python_script_runner}

@@ -37,46 +37,40 @@ from agents.jobs.base import (
     JobCursor,
     JobEventCallback,
     JobHandle,
-    JobLimits,
     JobOutputChunk,
     JobPauseBehavior,
-    JobRuntimeCapabilities,
+    JobRuntimeBase,
     JobSnapshot,
     JobSpec,
     JobState,
     Runner,
     capacity_exhausted,
-    invalid_argument,
+    end_event,
     invalid_transition,
     job_not_found,
     killed_error,
     kind_unsupported,
     owner_conflict,
-    pause_behavior_unsupported,
     queue_full,
     runtime_closed,
 )
 from agents.jobs.redis_store import RedisJobStore, row_to_snapshot
-from sageproject.errors import SageError, UnavailableError, ValidationError
+from sageproject.errors import UnavailableError, ValidationError
 
 logger = logging.getLogger(__name__)
 
-_TERMINAL_EVENTS = {
-    JobState.COMPLETED: "job.completed",
-    JobState.FAILED: "job.failed",
-    JobState.KILLED: "job.killed",
-}
 
-
-class CeleryJobRuntime:
+class CeleryJobRuntime(JobRuntimeBase):
     """Submits jobs to Celery workers and reads their state and output from Redis.
 
     ``redis_url`` holds job state (default: the Celery app's ``REDIS_URL``); ``key_prefix``
     namespaces every key (hosts sharing limits must share it); ``queue`` is the Celery queue
     job workers consume; ``kinds`` the kinds accepted (default: those registered in
     ``agents.jobs.tasks`` in this process, which match the workers' when they share code and
-    environment). Limits as ``InMemoryJobRuntime``; invalid values raise ``ValueError``.
+    environment). ``limits`` as ``InMemoryJobRuntime``; invalid values raise ``ValueError``.
     """
+
+    FLAGS = {"durable": True, "reconnect": True, "local_runners": False}
 
     def __init__(
         self,
@@ -90,30 +84,12 @@ class CeleryJobRuntime:
         poll_interval_seconds: float = 0.05,
         cancel_timeout_seconds: float = 30.0,
         max_redis_connections: int = 32,
-        max_concurrent_jobs: int = 32,
-        max_admitted_jobs: int = 1024,
-        max_job_output_bytes: int = 8 * 1024 * 1024,
-        max_job_output_chunks: int = 8192,
-        max_buffered_output_bytes: int = 256 * 1024 * 1024,
-        max_buffered_output_chunks: int = 65536,
-        terminal_ttl_seconds: float = 86400,
-        max_retained_terminal_jobs: int = 4096,
-        output_reconnect_window_seconds: float = 300,
+        **limits: Any,
     ) -> None:
         from agents.jobs import tasks
         from sageproject import celery as celery_module
 
-        self.limits = JobLimits(
-            max_concurrent_jobs=max_concurrent_jobs,
-            max_admitted_jobs=max_admitted_jobs,
-            max_job_output_bytes=max_job_output_bytes,
-            max_job_output_chunks=max_job_output_chunks,
-            max_buffered_output_bytes=max_buffered_output_bytes,
-            max_buffered_output_chunks=max_buffered_output_chunks,
-            terminal_ttl_seconds=terminal_ttl_seconds,
-            max_retained_terminal_jobs=max_retained_terminal_jobs,
-            output_reconnect_window_seconds=output_reconnect_window_seconds,
-        )
+        super().__init__(on_event=on_event, limits=limits)
         if poll_interval_seconds <= 0:
             raise ValueError("poll_interval_seconds must be > 0")
         self._tasks = tasks
@@ -130,7 +106,6 @@ class CeleryJobRuntime:
         )
         self.store = RedisJobStore(self._client, key_prefix)
         self._kinds = set(kinds) if kinds is not None else set(tasks.registered_kinds())
-        self._on_event = on_event
         self._poll = poll_interval_seconds
         self._cancel_timeout = cancel_timeout_seconds
         # Kombu producers are not safe to share between threads: one thread publishes.
@@ -142,7 +117,6 @@ class CeleryJobRuntime:
         # Jobs whose terminal event is being reported right now (set when it is done).
         self._ending: dict[str, asyncio.Event] = {}
         self._watch_task: asyncio.Task[None] | None = None
-        self._closed = False
 
     # --- runners ----------------------------------------------------------------------
 
@@ -184,13 +158,11 @@ class CeleryJobRuntime:
         Same errors as ``InMemoryJobRuntime.submit``, plus ``job.dispatch_failed``
         (UNAVAILABLE) when the broker refuses the message (the admission is released).
         """
-        if self._closed:
-            raise runtime_closed()
+        self._check_open()
         await self.store.sweep(self.limits)
         if spec.kind not in self._kinds:
             raise kind_unsupported(spec.kind)
-        if spec.pause_behavior is JobPauseBehavior.SUSPEND:
-            raise pause_behavior_unsupported(str(spec.pause_behavior))
+        self._check_pause_behavior(spec)
         job_id = uuid.uuid4().hex
         outcome, value = await self.store.submit(job_id, spec, self.limits, task_id=job_id)
         if outcome == "existing":
@@ -269,10 +241,7 @@ class CeleryJobRuntime:
 
         Raises ``job.not_found`` and ``job.invalid_argument``.
         """
-        if max_bytes < 1:
-            raise invalid_argument("max_bytes must be >= 1")
-        if cursor.offset < 0:
-            raise invalid_argument("cursor offset must be >= 0")
+        self._check_read(cursor, max_bytes)
         if not await self._client.exists(self.store.key("job", cursor.job_id)):
             raise job_not_found(cursor.job_id)
         return await self.store.read_output(cursor, max_bytes)
@@ -448,18 +417,8 @@ class CeleryJobRuntime:
         started = row.get(b"started") == b"1"
         if previous is JobState.CREATED and snapshot.state is not JobState.CREATED and started:
             await self._fire(snapshot, "job.started", {})
-        event = _TERMINAL_EVENTS.get(snapshot.state)
-        if event is not None:
-            await self._fire(
-                snapshot,
-                event,
-                {
-                    "exit_code": snapshot.exit_code,
-                    "error": snapshot.error,
-                    "output_bytes": snapshot.output_bytes,
-                    "output_truncated": snapshot.output_truncated,
-                },
-            )
+        if snapshot.terminal:
+            await self._fire(snapshot, *end_event(snapshot))
 
     async def _fire(self, snapshot: JobSnapshot, event_type: str, data: Mapping[str, Any]) -> None:
         if self._on_event is None:
@@ -470,24 +429,6 @@ class CeleryJobRuntime:
             logger.exception("job event callback failed for %s %s", snapshot.job_id, event_type)
 
     # --- lifecycle --------------------------------------------------------------------
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def capabilities(self) -> JobRuntimeCapabilities:
-        return JobRuntimeCapabilities.with_limits(
-            self.limits,
-            durable=True,
-            reconnect=True,
-            adoption=True,
-            suspend=False,
-            output_cursor=True,
-            terminal_purge=True,
-            automatic_retention=True,
-            local_runners=False,
-        )
 
     async def stats(self) -> dict[str, int]:
         """Cluster-wide counters for this key prefix: admitted, running, rows, buffered."""
@@ -513,12 +454,7 @@ class CeleryJobRuntime:
             for j, s in zip(ids, states, strict=True)
             if s is not None and JobState(s) in ACTIVE_STATES
         ]
-        results = await asyncio.gather(
-            *(self.cancel(j, reason="runtime closed") for j in active), return_exceptions=True
-        )
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, SageError):
-                logger.error("job runtime close: cancel failed: %r", result)
+        await self._cancel_all(active, reason="runtime closed")
         # One last look so jobs killed above (at once, from CREATED) still report job.killed.
         for job_id in list(self._watched):
             with contextlib.suppress(Exception):

@@ -26,26 +26,23 @@ from agents.jobs.base import (
     JobCursor,
     JobEventCallback,
     JobHandle,
-    JobLimits,
     JobOutputChunk,
     JobPauseBehavior,
-    JobRuntimeCapabilities,
+    JobRuntimeBase,
     JobSnapshot,
     JobSpec,
     JobState,
     JobStream,
     Runner,
     capacity_exhausted,
-    invalid_argument,
+    end_event,
     invalid_transition,
     job_not_found,
     killed_error,
     kind_unsupported,
     owner_conflict,
-    pause_behavior_unsupported,
     queue_full,
     runner_failed_error,
-    runtime_closed,
     to_bytes,
 )
 
@@ -109,46 +106,31 @@ class _Job:
         )
 
 
-class InMemoryJobRuntime:
+class InMemoryJobRuntime(JobRuntimeBase):
     """Runs jobs as tasks on the current event loop within the limits of ``JobLimits``.
 
-    ``on_event(snapshot, event_type, data)`` (optional, async) is awaited on every lifecycle
-    change (``job.created``, ``job.started``, ``job.completed``, ``job.failed``,
-    ``job.killed``) so the caller can persist session events; its failures are logged, never
-    raised into the job. ``builtin_runners`` registers the ``echo``/``sleep`` diagnostics
-    and, when ``SAGE_CODE_TOOLS=1``, ``python_script``. Invalid limits raise ``ValueError``.
+    ``limits`` are ``JobLimits``' fields (``max_concurrent_jobs=32``, ``max_admitted_jobs=1024``
+    ...); invalid values raise ``ValueError``. ``on_event(snapshot, event_type, data)``
+    (optional, async) is awaited on every lifecycle change (``job.created``, ``job.started``,
+    ``job.completed``, ``job.failed``, ``job.killed``) so the caller can persist session
+    events; its failures are logged, never raised into the job. ``builtin_runners`` registers
+    the ``echo``/``sleep`` diagnostics (``agents.jobs.runtime`` adds ``python_script`` when
+    the code tools are enabled).
     """
+
+    FLAGS = {"durable": False, "reconnect": False, "local_runners": True}
 
     def __init__(
         self,
         *,
-        max_concurrent_jobs: int = 32,
-        max_admitted_jobs: int = 1024,
-        max_job_output_bytes: int = 8 * 1024 * 1024,
-        max_job_output_chunks: int = 8192,
-        max_buffered_output_bytes: int = 256 * 1024 * 1024,
-        max_buffered_output_chunks: int = 65536,
-        terminal_ttl_seconds: float = 86400,
-        max_retained_terminal_jobs: int = 4096,
-        output_reconnect_window_seconds: float = 300,
         on_event: JobEventCallback | None = None,
         builtin_runners: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        **limits: Any,
     ) -> None:
-        self.limits = JobLimits(
-            max_concurrent_jobs=max_concurrent_jobs,
-            max_admitted_jobs=max_admitted_jobs,
-            max_job_output_bytes=max_job_output_bytes,
-            max_job_output_chunks=max_job_output_chunks,
-            max_buffered_output_bytes=max_buffered_output_bytes,
-            max_buffered_output_chunks=max_buffered_output_chunks,
-            terminal_ttl_seconds=terminal_ttl_seconds,
-            max_retained_terminal_jobs=max_retained_terminal_jobs,
-            output_reconnect_window_seconds=output_reconnect_window_seconds,
-        )
-        self._on_event = on_event
+        super().__init__(on_event=on_event, limits=limits)
         self._clock = clock
-        self._semaphore = asyncio.Semaphore(max_concurrent_jobs)
+        self._semaphore = asyncio.Semaphore(self.limits.max_concurrent_jobs)
         self._rows: dict[str, _Job] = {}
         self._by_run: dict[str, dict[str, None]] = {}
         self._idempotency: dict[tuple[str, str], str] = {}
@@ -161,7 +143,6 @@ class InMemoryJobRuntime:
         self._running = 0
         self._buffered_bytes = 0
         self._buffered_chunks = 0
-        self._closed = False
         if builtin_runners:
             from agents.jobs.builtins import builtin_runners as _builtins
 
@@ -211,8 +192,7 @@ class InMemoryJobRuntime:
         and ``job.pause_behavior_unsupported`` (VALIDATION), ``job.queue_full`` and
         ``job.capacity_exhausted`` (RATE_LIMITED, retryable).
         """
-        if self._closed:
-            raise runtime_closed()
+        self._check_open()
         self._sweep()
         if spec.idempotency_key is not None:
             existing = self._idempotency.get((spec.owner_run_id, spec.idempotency_key))
@@ -221,8 +201,7 @@ class InMemoryJobRuntime:
         runner = self._resolve(spec.kind, spec.owner_run_id)
         if runner is None:
             raise kind_unsupported(spec.kind)
-        if spec.pause_behavior is JobPauseBehavior.SUSPEND:
-            raise pause_behavior_unsupported(str(spec.pause_behavior))
+        self._check_pause_behavior(spec)
         if self._admitted >= self.limits.max_admitted_jobs:
             raise queue_full(self.limits.max_admitted_jobs)
         if (
@@ -339,22 +318,8 @@ class InMemoryJobRuntime:
         self._admitted -= 1
         if job.job_id in self._rows:
             self._terminal[job.job_id] = job
-        event = {
-            JobState.COMPLETED: "job.completed",
-            JobState.FAILED: "job.failed",
-            JobState.KILLED: "job.killed",
-        }[state]
         try:
-            await self._fire(
-                job,
-                event,
-                {
-                    "exit_code": job.exit_code,
-                    "error": job.error,
-                    "output_bytes": job.output_bytes,
-                    "output_truncated": job.truncated,
-                },
-            )
+            await self._fire(job, *end_event(job.snapshot()))
         finally:
             # After the event: whoever waits for the end (wait, cancel) can then rely on
             # the terminal event having been recorded.
@@ -404,10 +369,7 @@ class InMemoryJobRuntime:
         Each chunk's ``next_offset`` is the absolute offset after it; ``()`` at the end.
         Raises ``job.not_found`` and ``job.invalid_argument`` (``max_bytes < 1``, offset < 0).
         """
-        if max_bytes < 1:
-            raise invalid_argument("max_bytes must be >= 1")
-        if cursor.offset < 0:
-            raise invalid_argument("cursor offset must be >= 0")
+        self._check_read(cursor, max_bytes)
         job = self._get(cursor.job_id)
         return _slice_chunks(job.chunks, job.offsets, cursor.offset, max_bytes)
 
@@ -534,24 +496,6 @@ class InMemoryJobRuntime:
 
     # --- lifecycle --------------------------------------------------------------------
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def capabilities(self) -> JobRuntimeCapabilities:
-        return JobRuntimeCapabilities.with_limits(
-            self.limits,
-            durable=False,
-            reconnect=False,
-            adoption=True,
-            suspend=False,
-            output_cursor=True,
-            terminal_purge=True,
-            automatic_retention=True,
-            local_runners=True,
-        )
-
     def stats(self) -> dict[str, int]:
         """Counters for the capacity snapshot: admitted, running, retained, buffered."""
         return {
@@ -566,14 +510,8 @@ class InMemoryJobRuntime:
     async def close(self) -> None:
         """Refuse new submits (``job.runtime_closed``) and kill every active job; idempotent."""
         self._closed = True
-        active = [j for j in self._rows.values() if j.state in ACTIVE_STATES]
-        results = await asyncio.gather(
-            *(self.cancel(j.job_id, reason="runtime closed") for j in active),
-            return_exceptions=True,
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                logger.error("job runtime close: cancel failed: %r", result)
+        active = [j.job_id for j in self._rows.values() if j.state in ACTIVE_STATES]
+        await self._cancel_all(active, reason="runtime closed")
         with contextlib.suppress(Exception):
             self._sweep()
 

@@ -3,7 +3,9 @@
 Runners cannot travel over a broker, so they are registered *in the worker process* by
 kind: the built-ins (``echo`` and ``sleep`` diagnostics; ``python_script`` when
 ``SAGE_CODE_TOOLS=1``) plus whatever the modules named in ``SAGE_JOB_RUNNER_MODULES``
-(comma-separated) register through ``register_runner`` when imported.
+(comma-separated) register through ``register_runner`` when imported. A job worker loads
+no Django settings: it reads these settings (and ``SAGE_JOBS_REDIS_URL``, the Redis of job
+state when it is not the broker's) through ``sageproject.config`` itself.
 
 The task is synchronous (Celery) and drives the async runner on a per-thread event loop, so
 it works with ``--pool=threads`` (recommended: jobs mostly wait on I/O or subprocesses) and
@@ -18,10 +20,10 @@ import contextlib
 import importlib
 import json
 import logging
-import os
 import threading
 from typing import Any
 
+from celery import signals
 from redis.asyncio import Redis
 
 from agents.jobs.base import (
@@ -35,8 +37,9 @@ from agents.jobs.base import (
     runner_failed_error,
     to_bytes,
 )
-from agents.jobs.builtins import builtin_runners
+from agents.jobs.builtins import builtin_runners, code_runners
 from agents.jobs.redis_store import RedisJobStore, is_terminal
+from sageproject import config
 from sageproject.celery import app, redis_url
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,8 @@ TASK_NAME = "sage.jobs.run"
 POLL_SECONDS = 0.05
 
 RUNNERS: dict[str, Runner] = {}
+# This process's settings, read without Django (a job worker has none).
+SETTINGS = config.load()
 
 
 def register_runner(kind: str, runner: Runner) -> None:
@@ -65,8 +70,17 @@ def registered_kinds() -> frozenset[str]:
 
 def _load_runners() -> None:
     RUNNERS.update(builtin_runners())
-    for module in filter(None, os.environ.get("SAGE_JOB_RUNNER_MODULES", "").split(",")):
-        importlib.import_module(module.strip())
+    if SETTINGS["SAGE_CODE_TOOLS"]:
+        RUNNERS.update(code_runners())
+    for module in SETTINGS["SAGE_JOB_RUNNER_MODULES"]:
+        importlib.import_module(module)
+
+
+@signals.worker_init.connect
+def _stop_on_configuration_errors(**kwargs: Any) -> None:
+    """A job worker with an invalid setting stops at start-up with one line per problem,
+    as ``manage.py`` does (a Django process checks its settings itself)."""
+    config.exit_on_errors(SETTINGS, program="sage-jobs")
 
 
 _load_runners()
@@ -81,7 +95,7 @@ def _thread_store(prefix: str) -> tuple[asyncio.AbstractEventLoop, RedisJobStore
     if loop is None:
         loop = asyncio.new_event_loop()
         _local.loop = loop
-        _local.client = Redis.from_url(os.environ.get("SAGE_JOBS_REDIS_URL") or redis_url())
+        _local.client = Redis.from_url(SETTINGS["SAGE_JOBS_REDIS_URL"] or redis_url())
         _local.stores = {}
     stores: dict[str, RedisJobStore] = _local.stores
     store = stores.get(prefix)

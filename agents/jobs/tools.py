@@ -25,8 +25,8 @@ from agents.jobs.base import (
     JobStream,
     job_not_found,
 )
-from agents.jobs.glue import LABEL_OWNER, LABEL_SESSION
-from agents.tools import Tool, ToolContext, ToolError
+from agents.jobs.records import LABEL_OWNER, LABEL_SESSION
+from agents.tools import Tool, ToolContext, ToolError, ToolHandler
 from sageproject.errors import SageError
 
 # Output per job_output call. The engine cuts tool answers at 16 000 characters; JSON
@@ -256,7 +256,23 @@ def _consume_result(task: asyncio.Future[Any]) -> None:
             task.exception()
 
 
-_JOB_ID_PARAM = {"type": "string", "description": "A job id returned by run_job."}
+def _job_tool(name: str, description: str, handler: ToolHandler, **properties: Any) -> Tool:
+    """A tool that acts on one job: ``job_id`` (required) plus ``properties``."""
+    return Tool(
+        name=name,
+        description=description,
+        parameters={
+            "type": "object",
+            "properties": {
+                "job_id": {"type": "string", "description": "A job id returned by run_job."},
+                **properties,
+            },
+            "required": ["job_id"],
+            "additionalProperties": False,
+        },
+        handler=handler,
+    )
+
 
 JOB_TOOLS: list[Tool] = [
     Tool(
@@ -284,45 +300,23 @@ JOB_TOOLS: list[Tool] = [
         },
         handler=run_job,
     ),
-    Tool(
-        name="job_status",
-        description="State, output size, truncation and exit code of a background job.",
-        parameters={
-            "type": "object",
-            "properties": {"job_id": _JOB_ID_PARAM},
-            "required": ["job_id"],
-            "additionalProperties": False,
-        },
-        handler=job_status,
+    _job_tool(
+        "job_status",
+        "State, output size, truncation and exit code of a background job.",
+        job_status,
     ),
-    Tool(
-        name="job_output",
-        description=(
-            "Read a background job's output from 'cursor' (start at 0, then pass back "
-            "'next_cursor'); 'done' is true once the job ended and all output was read."
-        ),
-        parameters={
-            "type": "object",
-            "properties": {
-                "job_id": _JOB_ID_PARAM,
-                "cursor": {"type": "integer", "minimum": 0},
-                "max_bytes": {"type": "integer", "minimum": 1, "maximum": MAX_OUTPUT_BYTES},
-            },
-            "required": ["job_id"],
-            "additionalProperties": False,
-        },
-        handler=job_output,
+    _job_tool(
+        "job_output",
+        "Read a background job's output from 'cursor' (start at 0, then pass back "
+        "'next_cursor'); 'done' is true once the job ended and all output was read.",
+        job_output,
+        cursor={"type": "integer", "minimum": 0},
+        max_bytes={"type": "integer", "minimum": 1, "maximum": MAX_OUTPUT_BYTES},
     ),
-    Tool(
-        name="job_cancel",
-        description="Cancel a background job; answers its status afterwards.",
-        parameters={
-            "type": "object",
-            "properties": {"job_id": _JOB_ID_PARAM},
-            "required": ["job_id"],
-            "additionalProperties": False,
-        },
-        handler=job_cancel,
+    _job_tool(
+        "job_cancel",
+        "Cancel a background job; answers its status afterwards.",
+        job_cancel,
     ),
 ]
 

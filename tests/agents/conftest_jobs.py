@@ -1,4 +1,5 @@
-"""Fixtures for the job runtime tests: a real Celery worker over real Redis.
+"""Fixtures for the job runtime tests: a real Celery worker over real Redis, and the
+database side (runs, labelled jobs, their events and ``JobRecord`` rows).
 
 Imported explicitly by the job test modules (``from tests.agents.conftest_jobs import ...``)
 so no shared ``conftest.py`` is needed. Redis DB 14 holds broker and job keys; every test
@@ -18,11 +19,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import redis
+from asgiref.sync import sync_to_async
 from celery import Celery
 
 from agents.jobs import InMemoryJobRuntime, JobSpec
+from agents.models import JobRecord
+from scheduling.models import Event, Run
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_URL = os.environ.get("SAGE_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
@@ -124,16 +129,24 @@ def celery_app() -> Celery:
     return app
 
 
-async def wait_until_worker_ready(worker: CeleryWorker, app: Celery) -> None:
-    """Run diagnostic ``echo`` jobs until one completes: the worker is consuming."""
+def celery_runtime(prefix: str, **kwargs: Any) -> Any:
+    """A ``CeleryJobRuntime`` on the test Redis under ``prefix``, polling fast; ``kwargs``
+    (``celery_app``, ``queue``, limits...) go to its constructor."""
     from agents.jobs import CeleryJobRuntime
 
-    runtime = CeleryJobRuntime(
-        redis_url=REDIS_URL,
-        key_prefix=f"sagetest:ready:{worker.queue}",
-        celery_app=app,
-        queue=worker.queue,
-    )
+    kwargs.setdefault("poll_interval_seconds", 0.02)
+    kwargs.setdefault("cancel_timeout_seconds", 15.0)
+    return CeleryJobRuntime(redis_url=REDIS_URL, key_prefix=prefix, **kwargs)
+
+
+def script(source: str, *, run: str = "run-alice", **limits: Any) -> JobSpec:
+    """A ``python_script`` job running ``source``; ``limits`` go into its payload."""
+    return JobSpec(owner_run_id=run, kind="python_script", payload={"script": source, **limits})
+
+
+async def wait_until_worker_ready(worker: CeleryWorker, app: Celery) -> None:
+    """Run diagnostic ``echo`` jobs until one completes: the worker is consuming."""
+    runtime = celery_runtime(f"sagetest:ready:{worker.queue}", celery_app=app, queue=worker.queue)
     try:
         handle = await runtime.submit(JobSpec(owner_run_id="ready", kind="echo"))
         async with asyncio.timeout(WORKER_START_TIMEOUT):
@@ -178,20 +191,10 @@ async def make_runtime(request: pytest.FixtureRequest) -> AsyncIterator[RuntimeF
         if request.param == "memory":
             runtime: Any = InMemoryJobRuntime(**kwargs)
         else:
-            from agents.jobs import CeleryJobRuntime
-
             assert worker is not None
             prefix = f"sagetest:{uuid.uuid4().hex[:12]}"
             prefixes.append(prefix)
-            kwargs.setdefault("poll_interval_seconds", 0.02)
-            kwargs.setdefault("cancel_timeout_seconds", 15.0)
-            runtime = CeleryJobRuntime(
-                redis_url=REDIS_URL,
-                key_prefix=prefix,
-                celery_app=app,
-                queue=worker.queue,
-                **kwargs,
-            )
+            runtime = celery_runtime(prefix, celery_app=app, queue=worker.queue, **kwargs)
         built.append(runtime)
         return runtime
 
@@ -201,3 +204,61 @@ async def make_runtime(request: pytest.FixtureRequest) -> AsyncIterator[RuntimeF
         await runtime.close()
     for prefix in prefixes:
         delete_keys(f"{prefix}:*")
+
+
+# --- the database side -------------------------------------------------------------------
+
+
+@pytest.fixture
+def run_of(make_session) -> Callable[[Any], Run]:
+    """``run_of(user)``: a new run in a new session of ``user``."""
+
+    def make(user: Any) -> Run:
+        return Run.objects.create(session=make_session(user), owner=user, input="go")
+
+    return make
+
+
+def labelled(run: Run, kind: str, payload: dict[str, Any] | None = None, **kw: Any) -> JobSpec:
+    """A job of ``run`` labelled as the tools label it: its events go to the run's session."""
+    return JobSpec(
+        owner_run_id=str(run.pk),
+        kind=kind,
+        payload=payload or {},
+        labels={"session_id": str(run.session_id), "owner_id": str(run.owner_id)},
+        **kw,
+    )
+
+
+@pytest.fixture
+async def recorded() -> AsyncIterator[InMemoryJobRuntime]:
+    """An in-memory runtime whose events are recorded (``JobEventRecorder``)."""
+    from agents.jobs.records import JobEventRecorder
+    from scheduling.store import close_default_coordinator
+
+    runtime = InMemoryJobRuntime(on_event=JobEventRecorder())
+    yield runtime
+    await runtime.close()
+    await close_default_coordinator()
+
+
+@sync_to_async
+def session_events(session_id: Any) -> list[tuple[int, str, dict[str, Any], Any]]:
+    """The session's events as ``(seq, type, payload, run id)``, in order."""
+    rows = Event.objects.filter(session_id=session_id).order_by("seq")
+    return [(e.seq, e.type, orjson.loads(e.data), e.run_id) for e in rows]
+
+
+async def event_types(session_id: Any) -> list[str]:
+    return [event_type for _, event_type, _, _ in await session_events(session_id)]
+
+
+@sync_to_async
+def record_of(job_id: str) -> JobRecord:
+    return JobRecord.objects.get(job_id=job_id)
+
+
+@sync_to_async
+def request_cancel(job_id: str) -> None:
+    """What the admin's "Cancel selected jobs" does to the job's row."""
+    JobRecord.objects.filter(job_id=job_id).update(cancel_requested=True)

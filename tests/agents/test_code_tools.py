@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from agents.readiness import check_readiness
 from agents.tools import ToolContext, ToolError, build_registry
 from pooling.interpreters import InterpreterLimits
 from pooling.sessions import SessionPool, cgroup_limit
+from tests.agents.conftest_jobs import eventually
 
 MIB = 1024 * 1024
 LIMITS = InterpreterLimits(
@@ -59,15 +60,6 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-async def until(predicate: Callable[[], bool], *, attempts: int = 1000) -> None:
-    """Poll with short sleeps (bounded): for conditions a subprocess makes true."""
-    for _ in range(attempts):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never became true")
 
 
 # --- enabling --------------------------------------------------------------------------------
@@ -250,7 +242,7 @@ async def test_it_never_evicts_a_session_while_its_snippet_runs(
     flag = tmp_path / "go"
     code = f"import os, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.01)\n'done'"
     call = asyncio.create_task(runtime.run_python_session({"code": code}, ctx("s-busy")))
-    await until(lambda: (s := runtime.sessions.get("s-busy")) is not None and s.busy)
+    await eventually(lambda: (s := runtime.sessions.get("s-busy")) is not None and s.busy)
     runtime.sessions.rss_limit = 1  # permanently over the limit
     assert await runtime.sessions.make_room() == 0
     assert runtime.sessions.snapshot()["sessions"][0]["running_turn"] == "r-1"
@@ -276,7 +268,7 @@ async def test_it_restarts_a_kernel_that_died_while_parked(runtime: CodeToolsRun
     live = runtime.sessions.get("s-1")
     assert live is not None and live.pid is not None
     os.kill(live.pid, signal.SIGKILL)
-    await until(lambda: not live.client.alive)
+    await eventually(lambda: not live.client.alive)
     output = await runtime.run_python_session({"code": "kept"}, ctx())
     assert output.startswith(DIED_NOTICE)
     assert "NameError" in output
@@ -298,7 +290,7 @@ async def test_it_leaves_no_process_behind_after_close() -> None:
     spawned = descendants() - before
     assert len(spawned) >= 4  # interpreters, spare and kernels
     await runtime.close()
-    await until(lambda: not any(alive(pid) for pid in spawned))
+    await eventually(lambda: not any(alive(pid) for pid in spawned))
     assert runtime.pools["python"].stats().created == 0
     assert len(runtime.sessions) == 0
 
@@ -310,7 +302,7 @@ async def test_it_runs_one_janitor_for_its_pools_and_the_session_reaper() -> Non
     try:
         await runtime.run_python_session({"code": "1"}, ctx("s-job", session_kind="job"))
         # The job kind's TTL is 0: the reaper closes it once idle; the janitor runs rounds.
-        await until(lambda: "s-job" not in runtime.sessions and runtime.janitor.rounds >= 2)
+        await eventually(lambda: "s-job" not in runtime.sessions and runtime.janitor.rounds >= 2)
     finally:
         await runtime.close()
 

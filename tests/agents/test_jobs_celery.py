@@ -23,9 +23,11 @@ from tests.agents.conftest_jobs import (
     REPO,
     CeleryWorker,
     celery_app,
+    celery_runtime,
     delete_keys,
     eventually,
     require_redis,
+    script,
     wait_until_worker_ready,
 )
 
@@ -54,14 +56,7 @@ async def runtimes(celery_worker, prefix) -> AsyncIterator[Any]:
     def make(**kwargs: Any) -> CeleryJobRuntime:
         kwargs.setdefault("queue", celery_worker.queue)
         kwargs.setdefault("kinds", KINDS)
-        runtime = CeleryJobRuntime(
-            redis_url=REDIS_URL,
-            key_prefix=prefix,
-            celery_app=app,
-            poll_interval_seconds=0.02,
-            cancel_timeout_seconds=15.0,
-            **kwargs,
-        )
+        runtime = celery_runtime(prefix, celery_app=app, **kwargs)
         built.append(runtime)
         return runtime
 
@@ -84,13 +79,7 @@ async def read_all(runtime: CeleryJobRuntime, job_id: str) -> bytes:
 
 async def test_it_runs_jobs_in_the_worker_process(runtimes, celery_worker):
     runtime = runtimes()
-    handle = await runtime.submit(
-        JobSpec(
-            owner_run_id="run-alice",
-            kind="python_script",
-            payload={"script": "import os\nprint(os.getppid())"},
-        )
-    )
+    handle = await runtime.submit(script("import os\nprint(os.getppid())"))
 
     done = await runtime.wait(handle.job_id)
 
@@ -135,13 +124,7 @@ async def test_it_keeps_state_and_output_after_the_worker_is_gone(prefix):
         with ThreadPoolExecutor(max_workers=1) as pool:
             ready = pool.submit(asyncio.run, wait_until_worker_ready(worker, app))
             await asyncio.wrap_future(ready)
-        runtime = CeleryJobRuntime(
-            redis_url=REDIS_URL,
-            key_prefix=prefix,
-            celery_app=app,
-            queue=worker.queue,
-            poll_interval_seconds=0.02,
-        )
+        runtime = celery_runtime(prefix, celery_app=app, queue=worker.queue)
         handle = await runtime.submit(
             JobSpec(owner_run_id="run-alice", kind="echo", payload={"chunks": ["kept"]})
         )
@@ -217,13 +200,7 @@ async def test_it_refuses_run_scoped_runners(runtimes):
 
 async def test_it_cancels_a_running_script_on_the_worker(runtimes):
     runtime = runtimes()
-    handle = await runtime.submit(
-        JobSpec(
-            owner_run_id="run-alice",
-            kind="python_script",
-            payload={"script": "import time\nprint('up', flush=True)\ntime.sleep(60)"},
-        )
-    )
+    handle = await runtime.submit(script("import time\nprint('up', flush=True)\ntime.sleep(60)"))
     await eventually(lambda: read_all(runtime, handle.job_id))
 
     killed = await runtime.cancel(handle.job_id)

@@ -18,15 +18,8 @@ from agents.jobs import (
 )
 from agents.jobs.python_script import python_script_runner
 from sageproject.errors import SageError
-from tests.agents.conftest_jobs import eventually
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.agents.conftest_jobs import eventually, script
+from tests.conftest import FakeClock
 
 
 def spec(kind: str = "echo", run: str = "run-alice", **payload: Any) -> JobSpec:
@@ -206,20 +199,26 @@ async def test_it_lets_a_spec_only_lower_the_per_job_cap():
     assert (await runtime.wait(handle.job_id)).output_bytes == 4
 
 
+async def finished(runtime: InMemoryJobRuntime, job: JobSpec | None = None) -> str:
+    """Run ``job`` (an empty ``echo`` by default) to its end; returns its id."""
+    handle = await runtime.submit(job or spec())
+    await runtime.wait(handle.job_id)
+    return handle.job_id
+
+
 async def test_it_evicts_terminal_rows_after_the_ttl():
     clock = FakeClock()
     runtime = InMemoryJobRuntime(
         terminal_ttl_seconds=60, output_reconnect_window_seconds=10, clock=clock
     )
-    handle = await runtime.submit(spec(chunks=["x"]))
-    await runtime.wait(handle.job_id)
+    job_id = await finished(runtime, spec(chunks=["x"]))
     clock.now += 59
-    assert (await runtime.inspect(handle.job_id)).state is JobState.COMPLETED
+    assert (await runtime.inspect(job_id)).state is JobState.COMPLETED
 
     clock.now += 2
 
     with pytest.raises(SageError, match="not found"):
-        await runtime.inspect(handle.job_id)
+        await runtime.inspect(job_id)
     assert runtime.stats()["buffered_output_bytes"] == 0
 
 
@@ -228,12 +227,11 @@ async def test_it_keeps_rows_for_the_reconnect_window_when_it_outlasts_the_ttl()
     runtime = InMemoryJobRuntime(
         terminal_ttl_seconds=5, output_reconnect_window_seconds=30, clock=clock
     )
-    handle = await runtime.submit(spec())
-    await runtime.wait(handle.job_id)
+    job_id = await finished(runtime)
 
     clock.now += 20
 
-    assert (await runtime.inspect(handle.job_id)).state is JobState.COMPLETED
+    assert (await runtime.inspect(job_id)).state is JobState.COMPLETED
 
 
 async def test_it_evicts_the_oldest_rows_past_the_count_cap_outside_the_window():
@@ -241,15 +239,13 @@ async def test_it_evicts_the_oldest_rows_past_the_count_cap_outside_the_window()
     runtime = InMemoryJobRuntime(
         max_retained_terminal_jobs=1, output_reconnect_window_seconds=10, clock=clock
     )
-    old = await runtime.submit(spec())
-    await runtime.wait(old.job_id)
+    await finished(runtime)
     clock.now += 11
-    new = await runtime.submit(spec())
-    await runtime.wait(new.job_id)
+    new = await finished(runtime)
 
     ids = [j.job_id for j in await runtime.list_jobs("run-alice")]
 
-    assert ids == [new.job_id]
+    assert ids == [new]
 
 
 async def test_it_protects_rows_inside_the_reconnect_window_from_the_count_cap():
@@ -267,7 +263,7 @@ async def test_it_applies_capacity_back_pressure_against_protected_rows():
         max_admitted_jobs=1, max_retained_terminal_jobs=1, output_reconnect_window_seconds=60
     )
     for _ in range(2):
-        await runtime.wait((await runtime.submit(spec())).job_id)
+        await finished(runtime)
 
     with pytest.raises(SageError, match="capacity") as caught:
         await runtime.submit(spec())
@@ -278,31 +274,27 @@ async def test_it_applies_capacity_back_pressure_against_protected_rows():
 
 async def test_it_releases_admission_when_a_job_ends():
     runtime = InMemoryJobRuntime(max_admitted_jobs=1)
-    first = await runtime.submit(spec())
-    await runtime.wait(first.job_id)
+    first = await finished(runtime)
 
     second = await runtime.submit(spec())
 
-    assert second.job_id != first.job_id
+    assert second.job_id != first
     assert runtime.stats()["admitted"] == 1
 
 
 # --- python_script ----------------------------------------------------------------------
 
 
-@pytest.fixture
-def code_tools(monkeypatch: pytest.MonkeyPatch) -> None:
+def scripted() -> InMemoryJobRuntime:
+    """A runtime that runs ``python_script``, as one built with the code tools enabled."""
+    runtime = InMemoryJobRuntime()
+    runtime.register_runner("python_script", python_script_runner)
+    return runtime
+
+
+async def test_it_leaves_python_script_to_whoever_enables_the_code_tools(monkeypatch):
+    # Not even the raw environment variable adds it: agents.jobs.runtime decides.
     monkeypatch.setenv("SAGE_CODE_TOOLS", "1")
-
-
-def script(source: str, **limits: Any) -> JobSpec:
-    return JobSpec(
-        owner_run_id="run-alice", kind="python_script", payload={"script": source, **limits}
-    )
-
-
-async def test_it_refuses_python_script_without_code_tools(monkeypatch):
-    monkeypatch.delenv("SAGE_CODE_TOOLS", raising=False)
     runtime = InMemoryJobRuntime()
 
     with pytest.raises(SageError) as caught:
@@ -311,8 +303,8 @@ async def test_it_refuses_python_script_without_code_tools(monkeypatch):
     assert caught.value.code == "job.kind_unsupported"
 
 
-async def test_it_streams_a_scripts_stdout_stderr_and_exit_code(code_tools):
-    runtime = InMemoryJobRuntime()
+async def test_it_streams_a_scripts_stdout_stderr_and_exit_code():
+    runtime = scripted()
     handle = await runtime.submit(
         script(
             "import sys\nprint('out')\nsys.stdout.flush()\n"
@@ -327,9 +319,9 @@ async def test_it_streams_a_scripts_stdout_stderr_and_exit_code(code_tools):
     assert {(str(c.stream), c.data) for c in chunks} == {("stdout", b"out\n"), ("stderr", b"err\n")}
 
 
-async def test_it_gives_a_script_no_inherited_secrets(code_tools, monkeypatch):
+async def test_it_gives_a_script_no_inherited_secrets(monkeypatch):
     monkeypatch.setenv("SAGE_TEST_SECRET", "hunter2")
-    runtime = InMemoryJobRuntime()
+    runtime = scripted()
     handle = await runtime.submit(script("import os\nprint(sorted(os.environ))"))
 
     await runtime.wait(handle.job_id)
@@ -339,8 +331,8 @@ async def test_it_gives_a_script_no_inherited_secrets(code_tools, monkeypatch):
     assert b"PATH" in body
 
 
-async def test_it_fails_a_script_past_its_wall_clock_limit(code_tools):
-    runtime = InMemoryJobRuntime()
+async def test_it_fails_a_script_past_its_wall_clock_limit():
+    runtime = scripted()
     handle = await runtime.submit(script("import time\ntime.sleep(30)", timeout_seconds=0.5))
 
     done = await runtime.wait(handle.job_id)
@@ -349,8 +341,8 @@ async def test_it_fails_a_script_past_its_wall_clock_limit(code_tools):
     assert "wall-clock" in done.error["message"]
 
 
-async def test_it_limits_a_scripts_memory(code_tools):
-    runtime = InMemoryJobRuntime()
+async def test_it_limits_a_scripts_memory():
+    runtime = scripted()
     handle = await runtime.submit(
         script(
             "try:\n    b = bytearray(512 * 1024 * 1024)\nexcept MemoryError:\n    print('capped')",
@@ -363,7 +355,7 @@ async def test_it_limits_a_scripts_memory(code_tools):
     assert await read_all(runtime, handle.job_id) == b"capped\n"
 
 
-async def test_it_kills_a_scripts_process_group_on_cancel(code_tools, tmp_path):
+async def test_it_kills_a_scripts_process_group_on_cancel(tmp_path):
     pid_file = tmp_path / "child.pid"
     source = (
         "import subprocess, sys, time\n"
@@ -372,7 +364,7 @@ async def test_it_kills_a_scripts_process_group_on_cancel(code_tools, tmp_path):
         "print('ready', flush=True)\n"
         "time.sleep(60)\n"
     )
-    runtime = InMemoryJobRuntime()
+    runtime = scripted()
     handle = await runtime.submit(script(source))
     await eventually(lambda: read_all(runtime, handle.job_id))
     child = int(pid_file.read_text())
@@ -396,7 +388,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-async def test_it_rejects_a_script_payload_without_a_script(code_tools):
+async def test_it_rejects_a_script_payload_without_a_script():
     with pytest.raises(SageError, match="script"):
         await python_script_runner(
             JobSpec(owner_run_id="r", kind="python_script"), _noop_emit, asyncio.Event()
