@@ -3,7 +3,7 @@ from __future__ import annotations
 from django import forms
 from django.contrib import admin
 
-from pooling.models import ModelRecord
+from pooling.models import RECORD_FIELDS, ModelRecord
 
 
 class ModelRecordForm(forms.ModelForm):
@@ -17,7 +17,7 @@ class ModelRecordForm(forms.ModelForm):
 
     class Meta:
         model = ModelRecord
-        fields = ["owner", "name", "protocol", "base_url", "model", "options"]
+        fields = ["owner", *RECORD_FIELDS]
 
     def save(self, commit: bool = True) -> ModelRecord:
         record = super().save(commit=False)
@@ -39,11 +39,7 @@ class ModelRecordAdmin(admin.ModelAdmin):
     readonly_fields = ["credentials", "created_at", "updated_at"]
     fields = [
         "owner",
-        "name",
-        "protocol",
-        "base_url",
-        "model",
-        "options",
+        *RECORD_FIELDS,
         "api_key",
         "clear_api_key",
         "credentials",

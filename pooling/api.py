@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from django.core.validators import RegexValidator
-from django.db.models import Q
 from rest_framework import serializers, viewsets
 
 from pooling import services
-from pooling.models import ModelRecord
+from pooling.models import RECORD_FIELDS, ModelRecord
 from sageproject.api import JSONObjectField, StrictFieldsMixin
 
 # What ``base_url`` takes, stated once for the server and the schema (the field's
@@ -57,11 +56,7 @@ class ModelRecordSerializer(StrictFieldsMixin, serializers.ModelSerializer):
         model = ModelRecord
         fields = [
             "id",
-            "name",
-            "protocol",
-            "base_url",
-            "model",
-            "options",
+            *RECORD_FIELDS,
             "api_key",
             "has_credentials",
             "shared",
@@ -94,10 +89,8 @@ class ModelRecordViewSet(viewsets.ModelViewSet):
 
     def get_queryset(self):
         user = self.request.user
-        if self.action in ("list", "retrieve"):
-            return ModelRecord.objects.filter(Q(owner=user) | Q(owner__isnull=True))
-        if user.is_staff:
-            return ModelRecord.objects.filter(Q(owner=user) | Q(owner__isnull=True))
+        if self.action in ("list", "retrieve") or user.is_staff:
+            return ModelRecord.objects.usable_by(user.pk)
         return ModelRecord.objects.filter(owner=user)
 
     def perform_create(self, serializer):

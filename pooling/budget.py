@@ -28,6 +28,7 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import AsyncIterator
+from operator import attrgetter
 from typing import Any
 
 from sageproject.errors import ErrorCategory, RateLimitedError
@@ -36,6 +37,11 @@ __all__ = ["BoundedModelProvider", "ModelConcurrencyBudget"]
 
 QUEUE_FULL_MESSAGE = "Model request queue is full; retry later."
 QUEUE_TIMEOUT_MESSAGE = "Model request timed out waiting for capacity; retry later."
+
+
+def _reader(name: str, doc: str) -> property:
+    """A read-only property showing the attribute ``name``."""
+    return property(attrgetter(name), doc=doc)
 
 
 class _BudgetLease:
@@ -116,33 +122,17 @@ class ModelConcurrencyBudget:
 
     # -- public surface -------------------------------------------------------------
 
-    @property
-    def limit(self) -> int:
-        return self._limit
-
-    @property
-    def max_waiting(self) -> int:
-        return self._max_waiting
-
-    @property
-    def wait_timeout_seconds(self) -> float:
-        return self._wait_timeout
-
-    @property
-    def active(self) -> int:
-        return self._active
+    limit = _reader("_limit", "The most model calls at once.")
+    max_waiting = _reader("_max_waiting", "The most callers that may queue for a slot.")
+    wait_timeout_seconds = _reader("_wait_timeout", "How long a caller may queue, in seconds.")
+    active = _reader("_active", "Slots held now (one handed to a waiter included).")
+    rejected = _reader("_rejected", "Callers refused with ``model.queue_full`` so far.")
+    timed_out = _reader("_timed_out", "Callers that waited in vain (``model.queue_timeout``).")
 
     @property
     def waiting(self) -> int:
+        """Callers queued for a slot now."""
         return len(self._waiters)
-
-    @property
-    def rejected(self) -> int:
-        return self._rejected
-
-    @property
-    def timed_out(self) -> int:
-        return self._timed_out
 
     def lease(self) -> _BudgetLease:
         """Return an async context manager that holds one model-call slot for its body.

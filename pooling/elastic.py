@@ -325,17 +325,9 @@ class ElasticPool[T]:
         try:
             state = await boot
         except BaseException as exc:
-            self._booting -= 1
-            self._prewarming -= 1
-            self._created -= 1
-            logger.warning("elastic pool: boot failed after its caller left: %r", exc)
-            self._fail_first_waiter(exc)
-            self._maybe_prewarm()
+            self._queued_boot_failed(exc, "boot failed after its caller left")
             return
-        self._booting -= 1
-        self._prewarming -= 1
-        self._deliver(state)
-        self._maybe_prewarm()
+        self._queued_boot_done(state)
 
     def _maybe_prewarm(self) -> None:
         """Boot states for queued callers that no prewarm boot covers yet.
@@ -366,17 +358,25 @@ class ElasticPool[T]:
         try:
             state = await self._factory()
         except Exception as exc:
-            self._booting -= 1
-            self._prewarming -= 1
-            self._created -= 1
-            logger.warning("elastic pool: prewarm boot failed: %r", exc)
-            # The boot was for a queued caller; tell it rather than let it wait forever.
-            self._fail_first_waiter(exc)
-            self._maybe_prewarm()
+            self._queued_boot_failed(exc, "prewarm boot failed")
             return
+        self._queued_boot_done(state)
+
+    def _queued_boot_done(self, state: T) -> None:
+        """A boot for the queue (a prewarm, or an orphaned caller's) produced ``state``."""
         self._booting -= 1
         self._prewarming -= 1
         self._deliver(state)
+        self._maybe_prewarm()
+
+    def _queued_boot_failed(self, exc: BaseException, what: str) -> None:
+        """A boot for the queue failed: its place is free again and the first waiter,
+        which it was for, gets the failure rather than waiting forever."""
+        self._booting -= 1
+        self._prewarming -= 1
+        self._created -= 1
+        logger.warning("elastic pool: %s: %r", what, exc)
+        self._fail_first_waiter(exc)
         self._maybe_prewarm()
 
     # -- release --------------------------------------------------------------------------
@@ -595,6 +595,28 @@ class SpareFactory[T]:
         task = asyncio.ensure_future(self._closer(boot.result()))
         self._orphans.add(task)
         task.add_done_callback(self._orphans.discard)
+
+
+def pool_with_spares[T](
+    factory: Callable[[], Awaitable[T]],
+    closer: Callable[[T], Awaitable[object]],
+    *,
+    spares: int,
+    **options: Any,
+) -> tuple[ElasticPool[T], SpareFactory[T] | None]:
+    """An :class:`ElasticPool` of ``factory``'s states (``options`` are its sizes:
+    ``max_size``, ``resident``, ``janitor_interval``, ...) and its :class:`SpareFactory`.
+
+    With ``spares`` > 0 the pool boots through a SpareFactory keeping that many states
+    booted ahead of demand: it trims them when the pool sits idle and closes them with the
+    pool (its ``held`` counts them). With ``spares`` <= 0 the pool boots on demand only and
+    there is no SpareFactory (``None``).
+    """
+    if spares <= 0:
+        return ElasticPool(factory, closer, **options), None
+    spare = SpareFactory(factory, closer, spares=spares)
+    pool = ElasticPool(spare, closer, on_close=spare.close, on_idle=spare.trim, **options)
+    return pool, spare
 
 
 def _observe(future: asyncio.Future[Any]) -> None:

@@ -40,10 +40,11 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import psutil
 
-from pooling.elastic import ElasticPool, SpareFactory
+from pooling.elastic import ElasticPool, pool_with_spares
 from sageproject.errors import ErrorCategory, SageError
 
 DEFAULT_OUTPUT_BYTES = 64 * 1024
@@ -497,27 +498,15 @@ def interpreter_pool(
     boot; the janitor trims them to one when the pool sits idle; they close with the pool.
     """
 
-    async def boot() -> WarmInterpreter:
-        return await WarmInterpreter.boot(limits=limits)
-
-    if spares <= 0:
-        return ElasticPool(
-            boot,
-            close_interpreter,
-            max_size=max_size,
-            resident=resident,
-            janitor_interval=janitor_interval,
-        )
-    factory = SpareFactory(boot, close_interpreter, spares=spares)
-    return ElasticPool(
-        factory,
+    pool, _spares = pool_with_spares(
+        partial(WarmInterpreter.boot, limits=limits),
         close_interpreter,
+        spares=spares,
         max_size=max_size,
         resident=resident,
         janitor_interval=janitor_interval,
-        on_close=factory.close,
-        on_idle=factory.trim,
     )
+    return pool
 
 
 @dataclass(slots=True)

@@ -16,8 +16,34 @@ class Protocol(models.TextChoices):
     SCRIPTED = "scripted", "Scripted (built-in)"
 
 
+class ModelRecordQuerySet(models.QuerySet):
+    def usable_by(self, owner_id: int | None) -> ModelRecordQuerySet:
+        """The records an owner's agents may use: their own and the shared ones
+        (``owner_id=None``: the shared ones only); never another user's."""
+        shared = models.Q(owner__isnull=True)
+        return self.filter(shared if owner_id is None else shared | models.Q(owner_id=owner_id))
+
+    def for_run(self, owner_id: int, name: str) -> ModelRecord | None:
+        """The record a run of ``owner_id`` uses for ``name``: the owner's own before the
+        shared one of that name (NULL sorts first on SQLite and MySQL, last on
+        PostgreSQL: say where)."""
+        return (
+            self.usable_by(owner_id)
+            .filter(name=name)
+            .order_by(models.F("owner_id").asc(nulls_last=True))
+            .first()
+        )
+
+
+# The fields that say which model a record reaches and how, in the order the admin and the
+# API show them; its owner and its (write-only) credentials are handled apart.
+RECORD_FIELDS = ("name", "protocol", "base_url", "model", "options")
+
+
 class ModelRecord(models.Model):
     """A model a package's agents may name; owner null = shared with every user."""
+
+    objects = ModelRecordQuerySet.as_manager()
 
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL,

@@ -1,45 +1,30 @@
 """The ``anthropic`` protocol: Messages streaming through the official ``anthropic`` SDK.
 
-SDK retries are off (``max_retries=0``) for the same reason as the openai adapter: whether
-to retry is decided by the run from the error's ``retryable`` flag.
+The call, its errors and its end are ``pooling.providers.streaming``'s, as for the openai
+adapter; this module builds the request and parses the events.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import anthropic
-import httpx2  # the SDKs' own HTTP transport
 
-from .base import (
-    ModelRequest,
-    StreamEnd,
-    StreamItem,
-    TextDelta,
-    ToolCall,
-    ToolCallDelta,
-    record_options,
+from .base import ModelRequest, StreamEnd, StreamItem, TextDelta, ToolCall, ToolCallDelta
+from .errors import ANTHROPIC_ERROR_STATUS
+from .streaming import (
+    SDKAdapter,
+    StreamParser,
+    conversation,
+    message_text,
+    parse_arguments,
+    parsed_body,
     stream_text,
+    tool_schema,
 )
-from .errors import (
-    ANTHROPIC_ERROR_STATUS,
-    ENDED_EARLY,
-    NO_EVENTS,
-    UNDECODABLE_BODY,
-    broken_stream,
-    client_secrets,
-    connection_error,
-    invalid_response,
-    parse_error_body,
-    require_event_stream,
-    retry_after_from_headers,
-    upstream_error,
-)
-from .openai_adapter import parse_arguments
 
-DEFAULT_TIMEOUT_SECONDS = 600.0
 # Record options passed as typed SDK arguments, and sampling options sent in the JSON body
 # (recent SDKs no longer declare them, while the API and compatible servers accept them).
 # Anything else in options is ignored so a typo cannot reach the SDK call.
@@ -72,10 +57,9 @@ def to_anthropic_messages(request: ModelRequest) -> list[dict[str, Any]]:
         else:
             out.append({"role": role, "content": blocks})
 
-    for message in request.messages:
-        role = message.get("role")
+    for role, message in conversation(request):
         if role == "user":
-            append("user", _blocks(str(message.get("content", ""))))
+            append("user", _blocks(message_text(message)))
         elif role == "assistant":
             blocks = _blocks(message.get("content") or "")
             for call in message.get("tool_calls") or []:
@@ -88,19 +72,17 @@ def to_anthropic_messages(request: ModelRequest) -> list[dict[str, Any]]:
                     }
                 )
             append("assistant", blocks)
-        elif role == "tool":
+        else:
             append(
                 "user",
                 [
                     {
                         "type": "tool_result",
                         "tool_use_id": message["tool_call_id"],
-                        "content": str(message.get("content", "")),
+                        "content": message_text(message),
                     }
                 ],
             )
-        else:
-            raise ValueError(f"unsupported message role {role!r}")
     return out
 
 
@@ -110,49 +92,106 @@ def to_anthropic_tools(request: ModelRequest) -> list[dict[str, Any]]:
         {
             "name": tool.name,
             "description": tool.description,
-            "input_schema": tool.parameters or {"type": "object", "properties": {}},
+            "input_schema": tool_schema(tool),
         }
         for tool in request.tools
     ]
 
 
-class AnthropicAdapter:
-    """Adapter for the ``anthropic`` protocol."""
+class MessagesParser(StreamParser):
+    """One Messages stream: text and ``input_json_delta`` fragments as they come, each tool
+    call, parsed, when its block stops, and ``StreamEnd`` once a stop reason or
+    ``message_stop`` came."""
+
+    def __init__(self) -> None:
+        # Open tool_use blocks by index: their id, name and argument fragments so far.
+        self.tools: dict[int, dict[str, Any]] = {}
+        self.stop_reason = "end_turn"
+        self.usage = {"input_tokens": 0, "output_tokens": 0}
+        self.finished = False
+
+    @property
+    def complete(self) -> bool:
+        return self.finished
+
+    def feed(self, event: Any) -> Iterator[StreamItem]:
+        kind = getattr(event, "type", None)
+        if kind == "message_start":
+            self._message_start(event)
+        elif kind == "content_block_start":
+            yield from self._block_start(event)
+        elif kind == "content_block_delta":
+            yield from self._block_delta(event)
+        elif kind == "content_block_stop":
+            call = self.tools.pop(event.index, None)
+            if call is not None:
+                yield ToolCall(
+                    id=call["id"],
+                    name=call["name"],
+                    arguments=parse_arguments("".join(call["parts"])),
+                )
+        elif kind == "message_delta":
+            self._message_delta(event)
+        elif kind == "message_stop":
+            self.finished = True
+
+    def _message_start(self, event: Any) -> None:
+        message_usage = getattr(event.message, "usage", None)
+        if message_usage is not None:
+            self.usage["input_tokens"] = int(message_usage.input_tokens or 0)
+            self.usage["output_tokens"] = int(message_usage.output_tokens or 0)
+
+    def _block_start(self, event: Any) -> Iterator[StreamItem]:
+        block = event.content_block
+        if block.type == "tool_use":
+            self.tools[event.index] = {"id": block.id, "name": block.name, "parts": []}
+        elif block.type == "text" and block.text:
+            yield TextDelta(text=stream_text(block.text))
+
+    def _block_delta(self, event: Any) -> Iterator[StreamItem]:
+        delta = event.delta
+        if delta.type == "text_delta" and delta.text:
+            yield TextDelta(text=stream_text(delta.text))
+        elif delta.type == "input_json_delta" and event.index in self.tools:
+            call = self.tools[event.index]
+            call["parts"].append(stream_text(delta.partial_json or ""))
+            if delta.partial_json:
+                yield ToolCallDelta(
+                    index=event.index,
+                    id=call["id"],
+                    name=call["name"],
+                    arguments=delta.partial_json,
+                )
+
+    def _message_delta(self, event: Any) -> None:
+        if event.delta.stop_reason:
+            self.stop_reason = str(event.delta.stop_reason)
+            self.finished = True
+        if event.usage is not None and event.usage.output_tokens is not None:
+            self.usage["output_tokens"] = int(event.usage.output_tokens)
+        input_tokens = getattr(event.usage, "input_tokens", None)
+        if input_tokens:
+            self.usage["input_tokens"] = int(input_tokens)
+
+    def finish(self) -> Iterator[StreamItem]:
+        yield StreamEnd(stop_reason=self.stop_reason, usage=self.usage)
+
+
+class AnthropicAdapter(SDKAdapter):
+    """Adapter for the ``anthropic`` protocol.
+
+    ``stream`` yields ``TextDelta``s, ``ToolCallDelta``s and ``ToolCall``s in block order,
+    then ``StreamEnd``; a stream that ends without a stop reason or ``message_stop`` is an
+    invalid response.
+    """
 
     protocol = "anthropic"
+    sdk = anthropic
+    client_class = anthropic.AsyncAnthropic
 
-    async def create_client(self, record: Any) -> anthropic.AsyncAnthropic:
-        """An ``AsyncAnthropic`` for ``record`` (no request is sent); never retries on its own.
-
-        ``options["timeout"]`` (seconds) bounds each request; default 600.
-        """
-        options = record_options(record)
-        return anthropic.AsyncAnthropic(
-            api_key=getattr(record, "api_key", None) or None,
-            base_url=getattr(record, "base_url", None) or None,
-            max_retries=0,
-            timeout=float(options.get("timeout", DEFAULT_TIMEOUT_SECONDS)),
-        )
-
-    async def close_client(self, client: Any) -> None:
-        """Close the client's HTTP connection pool."""
-        await client.close()
-
-    def transform_error(self, status: int, body: bytes | str) -> str | None:
-        """The vetted short reason of an Anthropic (or other known) error body — the
-        provider's error type or code — else ``None`` (see ``parse_error_body``)."""
-        return parse_error_body(body)
-
-    async def stream(self, client: Any, request: ModelRequest) -> AsyncIterator[StreamItem]:
-        """Stream one message: ``TextDelta``s, ``ToolCallDelta``s and ``ToolCall``s in block
-        order, then ``StreamEnd``.
-
-        ``input_json_delta`` fragments are passed on (``ToolCallDelta``) and accumulated per
-        block, and parsed when the block stops. Raises ``UpstreamError`` for HTTP errors,
-        ``error`` events inside the stream, connection failures and timeouts, and an invalid
-        response: a 200 that is not an event stream, an undecodable or malformed stream, or
-        one that ends without a stop reason or ``message_stop``.
-        """
+    def arguments(self, request: ModelRequest) -> dict[str, Any]:
+        """A streaming message, the record's allowed options passed on (sampling options in
+        the JSON body)."""
         options = request.options or {}
         kwargs: dict[str, Any] = {
             "model": request.model,
@@ -172,126 +211,24 @@ class AnthropicAdapter:
         extra_body.update({name: options[name] for name in BODY_OPTIONS if name in options})
         if extra_body:
             kwargs["extra_body"] = extra_body
+        return kwargs
 
-        secrets = client_secrets(client)
-        tools: dict[int, dict[str, Any]] = {}
-        stop_reason = "end_turn"
-        usage = {"input_tokens": 0, "output_tokens": 0}
-        events = 0
-        finished = False
-        last: Any = None
-        try:
-            stream = await client.messages.create(**kwargs)
-            try:
-                await require_event_stream(stream.response, adapter=self, secrets=secrets)
-                async for event in stream:
-                    last = event
-                    events += 1
-                    kind = getattr(event, "type", None)
-                    if kind == "message_start":
-                        message_usage = getattr(event.message, "usage", None)
-                        if message_usage is not None:
-                            usage["input_tokens"] = int(message_usage.input_tokens or 0)
-                            usage["output_tokens"] = int(message_usage.output_tokens or 0)
-                    elif kind == "content_block_start":
-                        block = event.content_block
-                        if block.type == "tool_use":
-                            tools[event.index] = {"id": block.id, "name": block.name, "parts": []}
-                        elif block.type == "text" and block.text:
-                            yield TextDelta(text=stream_text(block.text))
-                    elif kind == "content_block_delta":
-                        delta = event.delta
-                        if delta.type == "text_delta" and delta.text:
-                            yield TextDelta(text=stream_text(delta.text))
-                        elif delta.type == "input_json_delta" and event.index in tools:
-                            call = tools[event.index]
-                            call["parts"].append(stream_text(delta.partial_json or ""))
-                            if delta.partial_json:
-                                yield ToolCallDelta(
-                                    index=event.index,
-                                    id=call["id"],
-                                    name=call["name"],
-                                    arguments=delta.partial_json,
-                                )
-                    elif kind == "content_block_stop":
-                        call = tools.pop(event.index, None)
-                        if call is not None:
-                            yield ToolCall(
-                                id=call["id"],
-                                name=call["name"],
-                                arguments=parse_arguments("".join(call["parts"])),
-                            )
-                    elif kind == "message_delta":
-                        if event.delta.stop_reason:
-                            stop_reason = str(event.delta.stop_reason)
-                            finished = True
-                        if event.usage is not None and event.usage.output_tokens is not None:
-                            usage["output_tokens"] = int(event.usage.output_tokens)
-                        input_tokens = getattr(event.usage, "input_tokens", None)
-                        if input_tokens:
-                            usage["input_tokens"] = int(input_tokens)
-                    elif kind == "message_stop":
-                        finished = True
-            except (ValueError, AttributeError, TypeError) as exc:
-                # Bytes that are not UTF-8, broken JSON, an event of the wrong shape: the
-                # provider's fault, never an internal error of the run.
-                raise broken_stream(exc, event=last, adapter=self, secrets=secrets) from None
-            finally:
-                # Ends the HTTP response even when the consumer stops early (aclose/cancel).
-                await stream.close()
-        except anthropic.APIStatusError as exc:
-            raise self._status_error(exc, secrets) from None
-        except anthropic.APITimeoutError as exc:
-            raise connection_error("timed out", cause=exc, secrets=secrets) from None
-        except anthropic.APIConnectionError as exc:
-            raise connection_error("connection failed", cause=exc, secrets=secrets) from None
-        except httpx2.TimeoutException as exc:
-            # Mid-stream read timeouts escape the SDK unwrapped.
-            raise connection_error("timed out", cause=exc, secrets=secrets) from None
-        except httpx2.DecodingError as exc:
-            # A body whose content encoding (gzip, ...) does not decode.
-            raise invalid_response(
-                UNDECODABLE_BODY, adapter=self, secrets=secrets, error=repr(exc)
-            ) from None
-        except httpx2.TransportError as exc:
-            # So does a connection dropped mid-stream.
-            raise connection_error("connection lost", cause=exc, secrets=secrets) from None
-        except anthropic.APIError as exc:
-            body = json.dumps({"type": "error", "error": exc.body if exc.body else exc.message})
-            raise upstream_error(None, body, adapter=self, secrets=secrets) from None
+    def open_stream(self, client: Any, arguments: dict[str, Any]) -> Awaitable[Any]:
+        return client.messages.create(**arguments)
 
-        if not finished:
-            # A body that ended without a stop reason or ``message_stop`` (no events at all,
-            # or cut off mid-token) is never a success: the answer may be missing or partial.
-            raise invalid_response(
-                NO_EVENTS if events == 0 else ENDED_EARLY,
-                adapter=self,
-                secrets=secrets,
-                events=events,
-            )
-        yield StreamEnd(stop_reason=stop_reason, usage=usage)
+    def parser(self) -> MessagesParser:
+        return MessagesParser()
 
-    def _status_error(self, exc: anthropic.APIStatusError, secrets: tuple[str, ...]) -> Exception:
-        status = exc.status_code
-        body: bytes | str
-        if status < 400:
-            # An ``event: error`` inside a 200 stream: the SDK raises it with the stream's
-            # status, so take the status the same error type has as an HTTP response.
-            body = json.dumps(exc.body) if exc.body is not None else ""
-            error_type = ""
-            if isinstance(exc.body, dict) and isinstance(exc.body.get("error"), dict):
-                error_type = str(exc.body["error"].get("type", ""))
-            status = ANTHROPIC_ERROR_STATUS.get(error_type, 500)
-        else:
-            try:
-                body = exc.response.text
-            except httpx2.ResponseNotRead:
-                # A streamed response whose body was never read; the SDK's parsed body remains.
-                body = json.dumps(exc.body) if exc.body is not None else ""
-        return upstream_error(
-            status,
-            body,
-            adapter=self,
-            retry_after=retry_after_from_headers(exc.response.headers),
-            secrets=secrets,
-        )
+    def event_error_body(self, exc: Any) -> str:
+        return json.dumps({"type": "error", "error": exc.body if exc.body else exc.message})
+
+    def status_and_body(self, exc: Any) -> tuple[int, bytes | str]:
+        """An HTTP error's status and body; for an ``event: error`` inside a 200 stream
+        (the SDK raises it with the stream's status) the status the same error type has as
+        an HTTP response, so it maps like any other."""
+        if exc.status_code >= 400:
+            return super().status_and_body(exc)
+        error_type = ""
+        if isinstance(exc.body, dict) and isinstance(exc.body.get("error"), dict):
+            error_type = str(exc.body["error"].get("type", ""))
+        return ANTHROPIC_ERROR_STATUS.get(error_type, 500), parsed_body(exc)

@@ -108,17 +108,3 @@ class ProviderAdapter(Protocol):
     def stream(self, client: Any, request: ModelRequest) -> AsyncIterator[StreamItem]: ...
 
     def transform_error(self, status: int, body: bytes | str) -> str | None: ...
-
-
-def record_options(record: Any) -> dict[str, Any]:
-    """The record's ``options`` as a dict (missing or null options give ``{}``)."""
-    options = getattr(record, "options", None)
-    return dict(options) if isinstance(options, Mapping) else {}
-
-
-def stream_text(value: Any) -> str:
-    """A piece of text from a vendor's stream; anything but a string is a malformed event,
-    raised as ``TypeError`` (the adapters report it as an invalid response)."""
-    if not isinstance(value, str):
-        raise TypeError(f"expected text in the stream, got {type(value).__name__}")
-    return value

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from pooling.budget import BoundedModelProvider, ModelConcurrencyBudget
 from sageproject.errors import ErrorCategory, SageError
+from tests.pooling.helpers import cancel, until
 
 SNAPSHOT_KEYS = [
     "limit",
@@ -21,15 +22,6 @@ SNAPSHOT_KEYS = [
     "rejected",
     "timed_out",
 ]
-
-
-async def until(predicate: Callable[[], bool], *, rounds: int = 1000) -> None:
-    """Yield to the loop until ``predicate`` holds (bounded, no wall-clock sleeps)."""
-    for _ in range(rounds):
-        if predicate():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never became true")
 
 
 class Holder:
@@ -66,6 +58,40 @@ async def enqueue(budget: ModelConcurrencyBudget, coro: Any) -> asyncio.Task[Any
     task = asyncio.create_task(coro)
     await until(lambda: budget.waiting == before + 1)
     return task
+
+
+async def full_budget(**options: Any) -> tuple[ModelConcurrencyBudget, Holder]:
+    """A budget of one slot (``options`` as the budget takes them), held by the returned
+    ``Holder``: every other caller queues."""
+    budget = ModelConcurrencyBudget(1, **options)
+    holder = Holder(budget)
+    await holder.entered.wait()
+    return budget, holder
+
+
+async def refusal(budget: ModelConcurrencyBudget, code: str) -> dict[str, Any]:
+    """Ask ``budget`` for a slot, which it must refuse with ``code`` (a rate limit the run
+    may retry and resume); returns the budget's snapshot the error carries."""
+    with pytest.raises(SageError) as caught:
+        async with budget.lease():
+            pass
+    error = caught.value
+    assert error.code == code
+    assert error.category is ErrorCategory.RATE_LIMITED
+    assert error.retryable and error.resumable
+    return error.details["model_budget"]
+
+
+class Line:
+    """Named callers joining a budget's queue, and the order in which they got a slot."""
+
+    def __init__(self, budget: ModelConcurrencyBudget) -> None:
+        self.budget = budget
+        self.order: list[str] = []
+
+    async def join(self, name: str) -> asyncio.Task[None]:
+        """Start the caller ``name`` (see ``queue_waiter``); returns once it queues."""
+        return await enqueue(self.budget, queue_waiter(self.budget, self.order, name))
 
 
 # -- validation ------------------------------------------------------------------------
@@ -114,43 +140,38 @@ async def test_it_admits_up_to_the_limit_without_waiting() -> None:
     assert budget.snapshot()["active"] == 0
 
 
-async def test_it_returns_the_slot_when_the_body_raises() -> None:
+# An error of the body, and an upstream timeout (not a wait for a slot: never counted).
+@pytest.mark.parametrize("error", [RuntimeError("boom"), TimeoutError("upstream read timed out")])
+async def test_it_returns_the_slot_and_passes_an_error_of_the_body_through_uncounted(
+    error: Exception,
+) -> None:
     budget = ModelConcurrencyBudget(1)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(type(error)):
         async with budget.lease():
-            raise RuntimeError("boom")
+            raise error
+    assert budget.snapshot()["timed_out"] == 0
     assert budget.snapshot()["active"] == 0
 
 
 async def test_it_queues_a_caller_when_every_slot_is_held() -> None:
-    budget = ModelConcurrencyBudget(1)
-    holder = Holder(budget)
-    await holder.entered.wait()
-    order: list[str] = []
-    waiter = await enqueue(budget, queue_waiter(budget, order, "w"))
+    budget, holder = await full_budget()
+    line = Line(budget)
+    waiter = await line.join("w")
     assert budget.snapshot()["waiting"] == 1
-    assert order == []
+    assert line.order == []
     await holder.release()
     await waiter
-    assert order == ["w"]
+    assert line.order == ["w"]
     assert budget.snapshot()["active"] == 0
     assert budget.snapshot()["waiting"] == 0
 
 
 async def test_it_rejects_the_third_waiter_when_the_queue_is_full() -> None:
-    budget = ModelConcurrencyBudget(1, max_waiting=2)
-    holder = Holder(budget)
-    await holder.entered.wait()
-    order: list[str] = []
-    waiters = [await enqueue(budget, queue_waiter(budget, order, f"w{i}")) for i in range(2)]
-    with pytest.raises(SageError) as caught:
-        async with budget.lease():
-            pass
-    error = caught.value
-    assert error.code == "model.queue_full"
-    assert error.category is ErrorCategory.RATE_LIMITED
-    assert error.retryable and error.resumable
-    assert error.details["model_budget"] == {
+    budget, holder = await full_budget(max_waiting=2)
+    line = Line(budget)
+    waiters = [await line.join(f"w{i}") for i in range(2)]
+    refused = await refusal(budget, "model.queue_full")
+    assert refused == {
         "limit": 1,
         "active": 1,
         "waiting": 2,
@@ -161,7 +182,7 @@ async def test_it_rejects_the_third_waiter_when_the_queue_is_full() -> None:
     }
     await holder.release()
     await asyncio.gather(*waiters)
-    assert order == ["w0", "w1"]
+    assert line.order == ["w0", "w1"]
     assert budget.snapshot()["rejected"] == 1
 
 
@@ -180,14 +201,12 @@ async def test_it_admits_only_immediate_calls_when_max_waiting_is_zero() -> None
 
 
 async def test_it_hands_released_slots_to_waiters_in_arrival_order() -> None:
-    budget = ModelConcurrencyBudget(1)
-    holder = Holder(budget)
-    await holder.entered.wait()
-    order: list[str] = []
-    waiters = [await enqueue(budget, queue_waiter(budget, order, f"w{i}")) for i in range(5)]
+    budget, holder = await full_budget()
+    line = Line(budget)
+    waiters = [await line.join(f"w{i}") for i in range(5)]
     await holder.release()
     await asyncio.gather(*waiters)
-    assert order == ["w0", "w1", "w2", "w3", "w4"]
+    assert line.order == ["w0", "w1", "w2", "w3", "w4"]
 
 
 async def test_it_never_lets_a_newcomer_jump_the_queue_after_a_release() -> None:
@@ -195,51 +214,40 @@ async def test_it_never_lets_a_newcomer_jump_the_queue_after_a_release() -> None
     # Hold the slot from the test body itself so the release below does not yield.
     held = budget.lease()
     await held.__aenter__()
-    order: list[str] = []
-    first = await enqueue(budget, queue_waiter(budget, order, "queued"))
+    line = Line(budget)
+    first = await line.join("queued")
     await held.__aexit__(None, None, None)
     # The slot now belongs to the queued waiter even though it has not resumed yet.
     assert budget.snapshot()["active"] == 1
-    newcomer = asyncio.create_task(queue_waiter(budget, order, "newcomer"))
+    newcomer = asyncio.create_task(queue_waiter(budget, line.order, "newcomer"))
     await asyncio.gather(first, newcomer)
-    assert order == ["queued", "newcomer"]
+    assert line.order == ["queued", "newcomer"]
 
 
 # -- timeouts ------------------------------------------------------------------------------
 
 
 async def test_it_times_out_a_waiter_that_gets_no_slot() -> None:
-    budget = ModelConcurrencyBudget(1, wait_timeout_seconds=0.05)
-    holder = Holder(budget)
-    await holder.entered.wait()
-    with pytest.raises(SageError) as caught:
-        async with budget.lease():
-            pass
-    error = caught.value
-    assert error.code == "model.queue_timeout"
-    assert error.category is ErrorCategory.RATE_LIMITED
-    assert error.retryable and error.resumable
-    assert error.details["model_budget"]["timed_out"] == 1
-    assert error.details["model_budget"]["waiting"] == 0
+    budget, holder = await full_budget(wait_timeout_seconds=0.05)
+    refused = await refusal(budget, "model.queue_timeout")
+    assert (refused["timed_out"], refused["waiting"]) == (1, 0)
     await holder.release()
     assert budget.snapshot()["active"] == 0
     assert budget.snapshot()["timed_out"] == 1
 
 
 async def test_it_times_out_every_expired_waiter_and_serves_the_later_ones() -> None:
-    budget = ModelConcurrencyBudget(1, wait_timeout_seconds=0.05)
-    holder = Holder(budget)
-    await holder.entered.wait()
+    budget, holder = await full_budget(wait_timeout_seconds=0.05)
     results = await asyncio.gather(
         *(queue_waiter(budget, [], str(i)) for i in range(3)), return_exceptions=True
     )
     assert [getattr(r, "code", None) for r in results] == ["model.queue_timeout"] * 3
     assert budget.snapshot()["timed_out"] == 3
-    order: list[str] = []
-    late = await enqueue(budget, queue_waiter(budget, order, "late"))
+    line = Line(budget)
+    late = await line.join("late")
     await holder.release()
     await late
-    assert order == ["late"]
+    assert line.order == ["late"]
     assert budget.snapshot()["active"] == 0
 
 
@@ -261,32 +269,19 @@ async def test_it_never_cuts_off_an_admitted_call_at_the_wait_timeout() -> None:
     assert budget.snapshot()["active"] == 0
 
 
-async def test_it_lets_an_upstream_timeout_error_pass_through_uncounted() -> None:
-    budget = ModelConcurrencyBudget(1)
-    with pytest.raises(TimeoutError):
-        async with budget.lease():
-            raise TimeoutError("upstream read timed out")
-    assert budget.snapshot()["timed_out"] == 0
-    assert budget.snapshot()["active"] == 0
-
-
 # -- cancellation --------------------------------------------------------------------------
 
 
 async def test_it_drops_a_cancelled_waiter_from_the_queue() -> None:
-    budget = ModelConcurrencyBudget(1)
-    holder = Holder(budget)
-    await holder.entered.wait()
-    order: list[str] = []
-    doomed = await enqueue(budget, queue_waiter(budget, order, "doomed"))
-    survivor = await enqueue(budget, queue_waiter(budget, order, "survivor"))
-    doomed.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await doomed
+    budget, holder = await full_budget()
+    line = Line(budget)
+    doomed = await line.join("doomed")
+    survivor = await line.join("survivor")
+    await cancel(doomed)
     assert budget.snapshot()["waiting"] == 1
     await holder.release()
     await survivor
-    assert order == ["survivor"]
+    assert line.order == ["survivor"]
     assert budget.snapshot()["active"] == 0
 
 
@@ -294,32 +289,26 @@ async def test_it_does_not_leak_a_slot_when_a_waiter_is_cancelled_during_hand_of
     budget = ModelConcurrencyBudget(1)
     held = budget.lease()
     await held.__aenter__()
-    order: list[str] = []
-    handed = await enqueue(budget, queue_waiter(budget, order, "handed"))
-    nxt = await enqueue(budget, queue_waiter(budget, order, "next"))
+    line = Line(budget)
+    handed = await line.join("handed")
+    nxt = await line.join("next")
     # Releasing does not yield, so ``handed`` owns the slot but has not resumed yet.
     await held.__aexit__(None, None, None)
     assert budget.snapshot()["waiting"] == 1
     # The slot has been handed to ``handed`` but it has not resumed: cancel it now.
     assert budget.snapshot()["active"] == 1
-    handed.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await handed
+    await cancel(handed)
     # A leaked slot would leave ``next`` queued forever; fail instead of hanging.
     async with asyncio.timeout(5):
         await nxt
-    assert order == ["next"]
+    assert line.order == ["next"]
     assert budget.snapshot()["active"] == 0
     assert budget.snapshot()["waiting"] == 0
 
 
 async def test_it_returns_the_slot_when_the_body_is_cancelled() -> None:
-    budget = ModelConcurrencyBudget(1)
-    holder = Holder(budget)
-    await holder.entered.wait()
-    holder.task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await holder.task
+    budget, holder = await full_budget()
+    await cancel(holder.task)
     assert budget.snapshot()["active"] == 0
 
 
@@ -431,9 +420,7 @@ async def test_it_returns_the_slot_when_the_streaming_task_is_cancelled() -> Non
     task = asyncio.create_task(consume())
     await started.wait()
     await until(lambda: budget.active == 1)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel(task)
     assert budget.snapshot()["active"] == 0
     assert provider.closed_streams == 1
 

@@ -6,7 +6,6 @@ import asyncio
 import hashlib
 import json
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -14,6 +13,7 @@ import pytest
 
 from pooling.clients import ModelClientPool, ModelLease, pool_key
 from sageproject.errors import ErrorCategory, SageError
+from tests.pooling.helpers import cancel, until
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,13 +92,25 @@ def make_pool(clients: Clients, max_clients: int = 4) -> ModelClientPool:
     return ModelClientPool(clients.factory, clients.closer, max_clients=max_clients)
 
 
-async def until(predicate: Callable[[], bool], *, rounds: int = 1000) -> None:
-    """Yield to the loop until ``predicate`` holds (bounded, no wall-clock sleeps)."""
-    for _ in range(rounds):
-        if predicate():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never became true")
+async def evicting_acquire(pool: ModelClientPool, clients: Clients) -> asyncio.Task[ModelLease]:
+    """Fill a pool of one client with alice's (idle) record 1, then start bob's acquire of
+    record 2 with the eviction's close held at the gate; returns bob's acquire as a task once
+    the close started."""
+    async with await pool.acquire("alice", Record(id=1)):
+        pass
+    clients.close_gate = asyncio.Event()
+    newcomer = asyncio.create_task(pool.acquire("bob", Record(id=2)))
+    await clients.close_started.wait()
+    return newcomer
+
+
+async def abandon_a_build(pool: ModelClientPool, clients: Clients) -> None:
+    """Acquire alice's record 1 with its build held at the gate, and cancel the caller once
+    the build started: the build goes on with nobody waiting for it."""
+    clients.build_gate = asyncio.Event()
+    doomed = asyncio.create_task(pool.acquire("alice", Record(id=1)))
+    await clients.build_started.wait()
+    await cancel(doomed)
 
 
 # -- keys ------------------------------------------------------------------------------------
@@ -226,9 +238,7 @@ async def test_it_keeps_building_for_others_when_one_waiter_is_cancelled(
     patient = asyncio.create_task(pool.acquire("alice", Record(id=1)))
     await clients.build_started.wait()
     await until(lambda: pool._active_leases == 2)
-    doomed.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await doomed
+    await cancel(doomed)
     assert (await pool.snapshot())["active_leases"] == 1
     clients.build_gate.set()
     lease = await patient
@@ -238,12 +248,7 @@ async def test_it_keeps_building_for_others_when_one_waiter_is_cancelled(
 
 async def test_it_caches_a_build_whose_only_waiter_was_cancelled(clients: Clients) -> None:
     pool = make_pool(clients)
-    clients.build_gate = asyncio.Event()
-    doomed = asyncio.create_task(pool.acquire("alice", Record(id=1)))
-    await clients.build_started.wait()
-    doomed.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await doomed
+    await abandon_a_build(pool, clients)
     clients.build_gate.set()
     lease = await pool.acquire("alice", Record(id=1))
     assert lease.provider is clients.built[0]
@@ -322,11 +327,7 @@ async def test_it_builds_the_new_client_only_after_the_evicted_one_has_closed(
     clients: Clients,
 ) -> None:
     pool = make_pool(clients, max_clients=1)
-    async with await pool.acquire("alice", Record(id=1)):
-        pass
-    clients.close_gate = asyncio.Event()
-    newcomer = asyncio.create_task(pool.acquire("bob", Record(id=2)))
-    await clients.close_started.wait()
+    newcomer = await evicting_acquire(pool, clients)
     snapshot = await pool.snapshot()
     assert (snapshot["clients"], snapshot["closing_clients"]) == (0, 1)
     assert clients.events == ["built 1"]
@@ -339,11 +340,7 @@ async def test_it_builds_the_new_client_only_after_the_evicted_one_has_closed(
 
 async def test_it_counts_closing_clients_toward_capacity(clients: Clients) -> None:
     pool = make_pool(clients, max_clients=1)
-    async with await pool.acquire("alice", Record(id=1)):
-        pass
-    clients.close_gate = asyncio.Event()
-    newcomer = asyncio.create_task(pool.acquire("bob", Record(id=2)))
-    await clients.close_started.wait()
+    newcomer = await evicting_acquire(pool, clients)
     with pytest.raises(SageError) as caught:
         await pool.acquire("carol", Record(id=3))
     assert caught.value.code == "server.model_pool_full"
@@ -412,9 +409,7 @@ async def test_it_finishes_closing_when_the_caller_is_cancelled(clients: Clients
     clients.close_gate = asyncio.Event()
     caller = asyncio.create_task(pool.close())
     await clients.close_started.wait()
-    caller.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await caller
+    await cancel(caller)
     later = asyncio.create_task(pool.close())
     clients.close_gate.set()
     await later
@@ -460,12 +455,7 @@ async def test_it_closes_a_client_whose_build_finished_after_its_waiters_left(
     clients: Clients,
 ) -> None:
     pool = make_pool(clients)
-    clients.build_gate = asyncio.Event()
-    doomed = asyncio.create_task(pool.acquire("alice", Record(id=1)))
-    await clients.build_started.wait()
-    doomed.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await doomed
+    await abandon_a_build(pool, clients)
     closing = asyncio.create_task(pool.close())
     await until(lambda: pool.closed)
     clients.build_gate.set()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable
 
 import pytest
 
@@ -15,10 +14,12 @@ from pooling.elastic import (
     PoolStats,
     SpareFactory,
     grow_step_for,
+    pool_with_spares,
     shrink_step_for,
     spares_for,
 )
 from sageproject.errors import SageError
+from tests.pooling.helpers import cancel, until
 
 
 class Boots:
@@ -81,17 +82,26 @@ async def grow_to(pool: ElasticPool[int], n: int) -> None:
     await asyncio.gather(*tasks)
 
 
-async def until(predicate: Callable[[], bool]) -> None:
-    """Yield to the loop until ``predicate()`` holds (bounded, so a bug fails, not hangs)."""
-    for _ in range(10_000):
-        if predicate():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never became true")
-
-
 async def wait_for_waiters(pool: ElasticPool[int], n: int) -> None:
     await until(lambda: pool.stats().waiting >= n)
+
+
+def checkout_task(pool: ElasticPool[int]) -> asyncio.Task[None]:
+    """A caller, as a task, that checks one state out of ``pool`` and straight back in."""
+
+    async def checkout() -> None:
+        async with pool.checkout():
+            pass
+
+    return asyncio.create_task(checkout())
+
+
+async def queued_checkout(pool: ElasticPool[int]) -> asyncio.Task[None]:
+    """A ``checkout_task`` of a full pool, once it waits in the queue."""
+    waiting = pool.stats().waiting
+    task = checkout_task(pool)
+    await wait_for_waiters(pool, waiting + 1)
+    return task
 
 
 def test_it_derives_the_grow_step_from_the_ceiling() -> None:
@@ -290,16 +300,8 @@ async def test_it_does_not_leak_when_a_waiter_is_cancelled() -> None:
     boots = Boots()
     pool = make_pool(boots, max_size=1)
     tasks, release = await hold_many(pool, 1)
-
-    async def wait_in_line() -> None:
-        async with pool.checkout():
-            pass
-
-    waiter = asyncio.create_task(wait_in_line())
-    await wait_for_waiters(pool, 1)
-    waiter.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await waiter
+    waiter = await queued_checkout(pool)
+    await cancel(waiter)
     release.set()
     await asyncio.gather(*tasks)
     stats = pool.stats()
@@ -310,16 +312,9 @@ async def test_it_parks_the_state_when_its_booting_caller_is_cancelled() -> None
     boots = Boots()
     boots.gate = asyncio.Event()
     pool = make_pool(boots, max_size=4)
-
-    async def request() -> None:
-        async with pool.checkout():
-            pass
-
-    caller = asyncio.create_task(request())
+    caller = checkout_task(pool)
     await boots.started.wait()
-    caller.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await caller
+    await cancel(caller)
     boots.gate.set()
     await pool.close()
     assert pool.stats().created == 0
@@ -330,13 +325,7 @@ async def test_it_decrements_created_on_shutdown_and_fails_waiters() -> None:
     boots = Boots()
     pool = make_pool(boots, max_size=1)
     tasks, release = await hold_many(pool, 1)
-
-    async def wait_in_line() -> None:
-        async with pool.checkout():
-            pass
-
-    waiter = asyncio.create_task(wait_in_line())
-    await wait_for_waiters(pool, 1)
+    waiter = await queued_checkout(pool)
     closing = asyncio.create_task(pool.close())
     with pytest.raises(SageError) as info:
         await waiter
@@ -460,13 +449,20 @@ async def test_it_lets_queued_callers_grow_when_the_ceiling_is_raised() -> None:
 def spare_pool(
     boots: Boots, spares: int, **kwargs: object
 ) -> tuple[ElasticPool[int], SpareFactory[int]]:
-    factory = SpareFactory(boots.factory, boots.closer, spares=spares)
     kwargs.setdefault("max_size", 64)
-    pool = ElasticPool(  # type: ignore[misc]
-        factory, boots.closer, on_close=factory.close, on_idle=factory.trim,
-        **kwargs,  # type: ignore[arg-type]
-    )
+    pool, factory = pool_with_spares(boots.factory, boots.closer, spares=spares, **kwargs)
+    assert factory is not None
     return pool, factory
+
+
+async def test_it_boots_on_demand_only_without_spares() -> None:
+    boots = Boots()
+    pool, factory = pool_with_spares(boots.factory, boots.closer, spares=0, max_size=4)
+    assert factory is None
+    await grow_to(pool, 1)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert boots.booted == pool.stats().created == 1
 
 
 def test_it_derives_the_spares_from_the_grow_step() -> None:
@@ -550,9 +546,7 @@ async def test_it_keeps_a_spare_whose_caller_was_cancelled() -> None:
     factory = SpareFactory(boots.factory, boots.closer, spares=0)
     call = asyncio.create_task(factory())
     await boots.started.wait()
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
+    await cancel(call)
     assert factory.held == 1  # the boot goes on and becomes the next caller's state
     boots.gate.set()
     assert await factory() == 1

@@ -6,7 +6,8 @@ import pytest
 
 from pooling.providers import ModelRequest
 from pooling.providers.anthropic_adapter import to_anthropic_messages
-from pooling.providers.openai_adapter import parse_arguments, to_openai_messages
+from pooling.providers.openai_adapter import to_openai_messages
+from pooling.providers.streaming import parse_arguments
 
 
 def test_it_merges_parallel_tool_results_and_a_follow_up_into_one_user_turn():

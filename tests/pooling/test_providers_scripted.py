@@ -23,6 +23,7 @@ from pooling.providers import (
 )
 from pooling.providers.scripted import ScriptedClient, tokenize
 from sageproject.errors import ErrorCategory, UpstreamError, ValidationError
+from tests.pooling.helpers import text_of, texts
 from tests.pooling.upstream import HTML_502
 
 CALCULATOR = ToolSpec(name="calculator", description="Evaluate arithmetic",
@@ -50,10 +51,6 @@ async def collect(adapter, client, request):
     return [item async for item in adapter.stream(client, request)]
 
 
-def text_of(items):
-    return "".join(i.text for i in items if isinstance(i, TextDelta))
-
-
 def user(text):
     return {"role": "user", "content": text}
 
@@ -75,7 +72,7 @@ async def test_it_echoes_the_last_user_message(adapter, client):
 
 async def test_it_streams_one_delta_per_word(adapter, client):
     items = await collect(adapter, client, ModelRequest(model="m", messages=(user("a b c"),)))
-    assert [i.text for i in items if isinstance(i, TextDelta)] == [
+    assert texts(items) == [
         "You ", "said: ", "a ", "b ", "c"]
 
 

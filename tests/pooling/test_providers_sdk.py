@@ -7,6 +7,7 @@ adapter's SDK client; nothing is mocked inside the SDKs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -27,6 +28,7 @@ from pooling.providers import (
     get_adapter,
 )
 from sageproject.errors import ErrorCategory, UpstreamError
+from tests.pooling.helpers import text_of, texts
 from tests.pooling.upstream import (  # noqa: F401  (upstream_fixture registers "upstream")
     HTML_502,
     ErrorReply,
@@ -52,10 +54,6 @@ HELLO = ModelRequest(model="test-model", system="Be brief.",
                      messages=({"role": "user", "content": "Say hello"},))
 
 
-def base_url(upstream: UpstreamServer, protocol: str) -> str:
-    return upstream.openai_base_url if protocol == "openai" else upstream.anthropic_base_url
-
-
 def make_record(url: str, protocol: str, **options):
     return SimpleNamespace(id=7, protocol=protocol, base_url=url, model="test-model",
                            api_key=API_KEY, options=options)
@@ -66,12 +64,29 @@ def protocol(request):
     return request.param
 
 
+@contextlib.asynccontextmanager
+async def sdk_client(protocol: str, url: str, **options):
+    """A client of ``protocol``'s adapter for a record at ``url``, closed on exit."""
+    adapter = get_adapter(protocol)
+    client = await adapter.create_client(make_record(url, protocol, **options))
+    try:
+        yield client
+    finally:
+        await adapter.close_client(client)
+
+
 @pytest.fixture
 async def client(upstream, protocol):
-    adapter = get_adapter(protocol)
-    client = await adapter.create_client(make_record(base_url(upstream, protocol), protocol))
-    yield client
-    await adapter.close_client(client)
+    async with sdk_client(protocol, upstream.base_url(protocol)) as client:
+        yield client
+
+
+async def sent_for(upstream: UpstreamServer, protocol: str, request: ModelRequest):
+    """The one request streaming ``request`` through a fresh ``protocol`` client sent."""
+    async with sdk_client(protocol, upstream.base_url(protocol)) as client:
+        await collect(protocol, client, request)
+    (sent,) = upstream.requests
+    return sent
 
 
 async def collect(protocol, client, request=HELLO):
@@ -92,7 +107,7 @@ async def failure(protocol, client, request=HELLO) -> tuple[list, UpstreamError]
 async def test_it_streams_text_deltas_in_order(upstream, protocol, client):
     upstream.enqueue(Reply(text="Hello there, Alice!"))
     items = await collect(protocol, client)
-    assert [i.text for i in items if isinstance(i, TextDelta)] == ["Hello ", "there, ", "Alice!"]
+    assert texts(items) == ["Hello ", "there, ", "Alice!"]
 
 
 async def test_it_ends_with_usage_and_end_turn(upstream, protocol, client):
@@ -205,13 +220,7 @@ TOOL_LOOP = ModelRequest(
 
 
 async def test_it_sends_the_conversation_in_chat_completions_shape(upstream):
-    adapter = get_adapter("openai")
-    client = await adapter.create_client(make_record(upstream.openai_base_url, "openai"))
-    try:
-        await collect("openai", client, TOOL_LOOP)
-    finally:
-        await adapter.close_client(client)
-    (sent,) = upstream.requests
+    sent = await sent_for(upstream, "openai", TOOL_LOOP)
     body = sent.json
     assert sent.path == "/v1/chat/completions"
     assert body["messages"] == [
@@ -232,13 +241,7 @@ async def test_it_sends_the_conversation_in_chat_completions_shape(upstream):
 
 
 async def test_it_sends_the_conversation_in_messages_shape(upstream):
-    adapter = get_adapter("anthropic")
-    client = await adapter.create_client(make_record(upstream.anthropic_base_url, "anthropic"))
-    try:
-        await collect("anthropic", client, TOOL_LOOP)
-    finally:
-        await adapter.close_client(client)
-    (sent,) = upstream.requests
+    sent = await sent_for(upstream, "anthropic", TOOL_LOOP)
     body = sent.json
     assert sent.path == "/v1/messages"
     assert body["system"] == "You are a calculator."
@@ -370,16 +373,13 @@ async def test_it_reports_a_dropped_stream_as_retryable(upstream, protocol, clie
 
 
 async def test_it_reports_a_read_timeout_as_retryable(upstream, protocol):
-    adapter = get_adapter(protocol)
-    client = await adapter.create_client(
-        make_record(base_url(upstream, protocol), protocol, timeout=0.3))
     gate = threading.Event()
     upstream.enqueue(Reply(text="slow reply here", gate=gate))
-    try:
-        received, error = await failure(protocol, client)
-    finally:
-        gate.set()
-        await adapter.close_client(client)
+    async with sdk_client(protocol, upstream.base_url(protocol), timeout=0.3) as client:
+        try:
+            received, error = await failure(protocol, client)
+        finally:
+            gate.set()
     assert received == [TextDelta(text="slow ")]
     assert (error.code, error.message, error.retryable) == (
         "upstream.error", "upstream timed out", True)
@@ -394,15 +394,10 @@ def refused_url() -> str:
 
 
 async def test_it_reports_connection_refused_as_retryable(protocol, caplog):
-    adapter = get_adapter(protocol)
     url = refused_url()
-    client = await adapter.create_client(
-        make_record(url + "/v1" if protocol == "openai" else url, protocol))
-    try:
+    async with sdk_client(protocol, url + "/v1" if protocol == "openai" else url) as client:
         with caplog.at_level(logging.WARNING, logger="sage.upstream"):
             received, error = await failure(protocol, client)
-    finally:
-        await adapter.close_client(client)
     assert received == []
     assert (error.code, error.category, error.retryable) == (
         "upstream.error", ErrorCategory.UPSTREAM, True)
@@ -413,7 +408,7 @@ async def test_it_reports_connection_refused_as_retryable(protocol, caplog):
 
 async def test_it_closes_the_client(upstream, protocol):
     adapter = get_adapter(protocol)
-    client = await adapter.create_client(make_record(base_url(upstream, protocol), protocol))
+    client = await adapter.create_client(make_record(upstream.base_url(protocol), protocol))
     await adapter.close_client(client)
     assert client.is_closed()
 
@@ -421,8 +416,7 @@ async def test_it_closes_the_client(upstream, protocol):
 async def test_it_serves_concurrent_streams_on_one_client(upstream, protocol, client):
     upstream.enqueue(*(Reply(text=f"reply {n}") for n in range(5)))
     results = await asyncio.gather(*(collect(protocol, client) for _ in range(5)))
-    texts = sorted("".join(i.text for i in r if isinstance(i, TextDelta)) for r in results)
-    assert texts == [f"reply {n}" for n in range(5)]
+    assert sorted(text_of(r) for r in results) == [f"reply {n}" for n in range(5)]
 
 
 @pytest.mark.parametrize(("protocol", "vendor_reason"), [("openai", "length"),
@@ -436,23 +430,19 @@ async def test_it_normalizes_a_truncated_reply_to_max_tokens(upstream, protocol,
 
 async def test_it_reports_tool_use_when_a_server_finishes_tool_calls_with_stop(upstream):
     # Ollama's OpenAI-compatible endpoint ends a tool-calling turn with finish_reason "stop".
-    adapter = get_adapter("openai")
-    client = await adapter.create_client(make_record(upstream.openai_base_url, "openai"))
     upstream.enqueue(Reply(text="", stop_reason="stop",
                            tool_calls=({"name": "clock", "arguments": {}},)))
-    try:
+    async with sdk_client("openai", upstream.openai_base_url) as client:
         items = await collect("openai", client)
-    finally:
-        await adapter.close_client(client)
     assert [i for i in items if isinstance(i, ToolCall)] == [
         ToolCall(id="call_fake_0", name="clock", arguments={})]
     assert items[-1].stop_reason == "tool_use"
 
 
 async def test_it_builds_and_closes_clients_through_the_package_helpers(upstream, protocol):
-    client = await create_client(make_record(base_url(upstream, protocol), protocol))
+    client = await create_client(make_record(upstream.base_url(protocol), protocol))
     upstream.enqueue(Reply(text="pooled"))
     items = await collect(protocol, client)
     await close_client(client)
-    assert "".join(i.text for i in items if isinstance(i, TextDelta)) == "pooled"
+    assert text_of(items) == "pooled"
     assert client.is_closed()

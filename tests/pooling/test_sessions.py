@@ -12,6 +12,7 @@ import pytest
 
 from pooling.interpreters import InterpreterLimits, KernelClient
 from pooling.sessions import DEFAULT_TTL, LiveSession, SessionPool, cgroup_limit
+from tests.pooling.helpers import cancel
 
 MIB = 1024 * 1024
 LIMITS = InterpreterLimits(cpu_seconds=5, memory_bytes=512 * MIB, wall_seconds=10.0)
@@ -305,9 +306,7 @@ async def test_it_keeps_reaping_after_its_own_errors(
     with caplog.at_level(logging.ERROR, logger="pooling.sessions"):
         task = asyncio.create_task(pool.reap_loop())
         await asyncio.wait_for(recovered.wait(), timeout=10)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel(task)
     assert "reaper failed" in caplog.text
 
 

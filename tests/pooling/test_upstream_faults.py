@@ -20,6 +20,7 @@ from sageproject.errors import ErrorCategory, UpstreamError
 from tests.pooling.upstream import (  # noqa: F401  (upstream_fixture registers "upstream")
     FAULTS,
     RawStream,
+    Reply,
     UpstreamServer,
     fault_catalogue,
     upstream_fixture,
@@ -64,6 +65,12 @@ EXPECTED: dict[str, tuple[str, bool, str, str | None]] = {
     "connection_reset": ("upstream.error", True, "upstream connection failed", None),
     "stops_mid_token": ("upstream.error", True, INVALID + "stream ended early)", None),
 }
+# A connection dropped inside an event: the openai SDK reports a failed connection, the
+# anthropic SDK lets the transport's error through (a connection lost mid-stream).
+DROPPED_MID_EVENT = {
+    "openai": "upstream connection failed",
+    "anthropic": "upstream connection lost",
+}
 # Text of the bodies that must never leave the log.
 BODY_TEXT = ("TRACE", "nginx", "Bad Gateway", "Hotel Wi-Fi", "portal.example", "<html",
              "Rate limit reached", "Incorrect API key", API_KEY, OTHER_KEY)
@@ -81,9 +88,8 @@ def protocol(request):
 @pytest.fixture
 async def client(upstream, protocol):
     adapter = get_adapter(protocol)
-    url = upstream.openai_base_url if protocol == "openai" else upstream.anthropic_base_url
-    record = SimpleNamespace(id=7, protocol=protocol, base_url=url, model="test-model",
-                             api_key=API_KEY, options={"timeout": 10})
+    record = SimpleNamespace(id=7, protocol=protocol, base_url=upstream.base_url(protocol),
+                             model="test-model", api_key=API_KEY, options={"timeout": 10})
     client = await adapter.create_client(record)
     yield client
     await adapter.close_client(client)
@@ -160,6 +166,21 @@ async def test_it_passes_on_the_text_of_a_stream_that_stops_mid_token_but_never_
     received, error = await stream_fault(upstream, protocol, client, "stops_mid_token", caplog)
     assert received == [TextDelta(text="Partial "), TextDelta(text="answer")]
     assert error.code == "upstream.error"
+
+
+async def test_it_passes_on_the_text_of_a_stream_dropped_mid_token_and_fails_it(
+    upstream, protocol, client
+):
+    upstream.enqueue(Reply(text="Partial answer", cut_mid_event=True, drop_after_text=True))
+    received = []
+    with pytest.raises(UpstreamError) as caught:
+        async for item in get_adapter(protocol).stream(client, HELLO):
+            received.append(item)
+    assert received == [TextDelta(text="Partial "), TextDelta(text="answer")]
+    error = caught.value
+    assert (error.code, error.retryable, error.message) == (
+        "upstream.error", True, DROPPED_MID_EVENT[protocol]
+    )
 
 
 @pytest.mark.parametrize(("chunk", "label"), [

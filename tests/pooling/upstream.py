@@ -17,17 +17,25 @@ Usage::
         assert upstream.requests[0].json["tools"][0]["function"]["name"] == "calculator"
 
 Broken upstreams are scripted the same way: ``RawStream`` sends a 200 (or any status)
-whose body is whatever bytes it is given, ``Reset`` resets the connection, and
-``Reply(cut_mid_event=True)`` ends a stream cleanly in the middle of an event.
-``fault_catalogue(api_key)`` names one reply per known fault (see ``FAULTS``).
+whose body is whatever bytes it is given, ``Reset`` resets the connection,
+``Reply(drop_after_text=True)`` drops it after the text, and ``Reply(cut_mid_event=True)``
+ends a stream in the middle of an event: cleanly, or by dropping the connection there with
+``drop_after_text`` too. ``fault_catalogue(api_key)`` names one reply per known fault (see
+``FAULTS``). ``EchoUpstream`` answers each request with an error that echoes the key the
+request carried (the credential canary, ``ECHO_CASES``).
 
 Replies are served in FIFO order; with the queue empty the server answers ``default``
-(``Reply(text="ok")`` unless given). Every request is recorded (``requests``), so a test can
-also assert that no request was sent. To use the fixture from another test module::
+(``Reply(text="ok")`` unless given); a subclass may answer from the request instead
+(``reply_for``). Every request is recorded (``requests``), so a test can also assert that
+no request was sent. The server runs in a daemon thread of the test process, so a worker
+or web process of a live host reaches it on loopback like any upstream; ``base_url(protocol)``
+is what a model record of either protocol points at, and ``model_record(...)`` saves one.
+To use the fixture from another test module::
 
     from tests.pooling.upstream import upstream_fixture  # noqa: F401  (registers "upstream")
 
-It depends on nothing but the standard library.
+It depends on nothing but the standard library and pytest (``model_record`` alone imports
+the project's ``ModelRecord``, and needs the database).
 """
 
 from __future__ import annotations
@@ -96,7 +104,8 @@ class Reply:
     ``error_after_text`` sends a vendor error event after the text instead of finishing;
     ``drop_after_text`` closes the connection abruptly after the text (a dropped stream);
     ``cut_mid_event`` sends the first half of the next event after the text and then ends
-    the body cleanly (a stream that stops mid-token, with no finish and no error).
+    the body cleanly (a stream that stops mid-token, with no finish and no error) or, with
+    ``drop_after_text``, drops the connection there (a stream cut mid-token).
     """
 
     text: str = "ok"
@@ -240,6 +249,37 @@ class UpstreamServer:
         """The ``base_url`` for ``AsyncAnthropic`` (the SDK adds ``/v1/messages``)."""
         return self.url
 
+    def base_url(self, protocol: str) -> str:
+        """The ``base_url`` of a record of ``protocol`` (``openai`` or ``anthropic``)."""
+        return self.openai_base_url if protocol == "openai" else self.anthropic_base_url
+
+    def model_record(
+        self,
+        *,
+        name: str,
+        api_key: str,
+        owner: Any = None,
+        protocol: str = "openai",
+        model: str = "test-model",
+        **options: Any,
+    ) -> Any:
+        """A saved ``pooling.models.ModelRecord`` (shared when ``owner`` is ``None``) that
+        reaches this server over ``protocol`` with ``api_key``; ``options`` are the
+        record's options. Needs the database."""
+        from pooling.models import ModelRecord
+
+        record = ModelRecord(
+            owner=owner,
+            name=name,
+            protocol=protocol,
+            base_url=self.base_url(protocol),
+            model=model,
+            options=options,
+        )
+        record.api_key = api_key
+        record.save()
+        return record
+
     # -- scripting and inspection ----------------------------------------------------------
 
     def enqueue(self, *replies: AnyReply) -> None:
@@ -272,11 +312,16 @@ class UpstreamServer:
             self._requests.clear()
             self._queue.clear()
 
+    def reply_for(self, request: RecordedRequest) -> AnyReply:
+        """The reply to ``request`` (already recorded): the next queued one, else
+        ``default``. A subclass may answer from the request instead."""
+        return self._queue.popleft() if self._queue else self.default
+
     def _next(self, request: RecordedRequest) -> AnyReply:
         with self._cond:
             self._requests.append(request)
             self._cond.notify_all()
-            reply = self._queue.popleft() if self._queue else self.default
+            reply = self.reply_for(request)
             if isinstance(reply, Reply) and reply.gate is not None:
                 self._gates.append(reply.gate)
             return reply
@@ -397,7 +442,6 @@ class _Handler(BaseHTTPRequestHandler):
                     reply.gate.wait(timeout=30)
                 continue
             if event == _DROP:
-                # No terminating chunk: the client sees the stream cut off mid-body.
                 self.close_connection = True
                 return
             self._chunk(event.encode())
@@ -414,6 +458,20 @@ _DROP = "\x00drop"
 
 def _half(event: str) -> str:
     return event[: len(event) // 2]
+
+
+def _breaks_off(reply: Reply) -> bool:
+    return reply.drop_after_text or reply.cut_mid_event
+
+
+def _break_off(reply: Reply, next_event: str) -> Iterator[str]:
+    """The end of a reply that breaks off after its text: the first half of ``next_event``
+    when it is cut mid-event, then the connection drops or (a cut alone) the body ends."""
+    if reply.cut_mid_event:
+        yield _half(next_event)
+    if reply.drop_after_text:
+        # No terminating chunk: the client sees the stream cut off mid-body.
+        yield _DROP
 
 
 def _arguments_text(arguments: Any) -> str:
@@ -434,12 +492,8 @@ def _openai_events(reply: Reply, model: str) -> Iterator[str]:
         yield chunk({"content": token})
         if index == 0:
             yield _GATE
-    if reply.drop_after_text:
-        yield _DROP
-        return
-    if reply.cut_mid_event:
-        # Half of the next chunk, then the body ends cleanly.
-        yield _half(chunk({"content": " and then"}))
+    if _breaks_off(reply):
+        yield from _break_off(reply, chunk({"content": " and then"}))
         return
     if reply.error_after_text is not None:
         yield "data: " + json.dumps({"error": dict(reply.error_after_text)}) + "\n\n"
@@ -481,11 +535,8 @@ def _anthropic_events(reply: Reply, model: str) -> Iterator[str]:
                 yield _GATE
         yield _sse("content_block_stop", {"index": 0})
         index = 1
-    if reply.drop_after_text:
-        yield _DROP
-        return
-    if reply.cut_mid_event:
-        yield _half(_sse("content_block_delta", {"index": 0, "delta": {
+    if _breaks_off(reply):
+        yield from _break_off(reply, _sse("content_block_delta", {"index": 0, "delta": {
             "type": "text_delta", "text": " and then"}}))
         return
     if reply.error_after_text is not None:
@@ -595,11 +646,55 @@ def fault_catalogue(api_key: str) -> dict[str, AnyReply]:
     }
 
 
+# -- the credential canary ------------------------------------------------------------------
+
+# What ``EchoUpstream`` answers, by the instruction ``canary:<case>`` of a request's last
+# user message.
+ECHO_CASES = ("401", "400", "500", "502-html", "429", "stream-error", "ok")
+
+
+def echo_reply(request: RecordedRequest) -> AnyReply:
+    """The reply to the instruction ``canary:<case>`` in ``request``'s last user message
+    (``ECHO_CASES``): an error whose body carries the key of the request's
+    ``Authorization`` header — a JSON envelope with a 401, 400, 500 or 429 (``Retry-After:
+    1``), a 502 HTML page, an error event after some text in a 200 stream — or, for ``ok``
+    (and anything else), a plain streamed reply."""
+    key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    messages = (request.json or {}).get("messages") or []
+    text = next((str(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
+    case = text.removeprefix("canary:").strip()
+    error = {
+        "message": f"Incorrect API key provided: {key}. Check the key {key}.",
+        "type": "invalid_request_error",
+        "param": key,
+        "code": "invalid_api_key",
+    }
+    envelope = json.dumps({"error": error})
+    if case in ("401", "400", "500"):
+        return ErrorReply(status=int(case), body=envelope)
+    if case == "429":
+        return ErrorReply(status=429, body=envelope, headers={"Retry-After": "1"})
+    if case == "502-html":
+        page = (
+            f"<html><head><title>Bad gateway for {key}</title></head><body>"
+            f"<h1>502 {key}</h1><p>upstream rejected {key}</p></body></html>"
+        )
+        return ErrorReply(status=502, body=page, content_type="text/html")
+    if case == "stream-error":
+        return Reply(text="partial ", error_after_text=error)
+    return Reply(text="all good")
+
+
+class EchoUpstream(UpstreamServer):
+    """An ``UpstreamServer`` answering every request with ``echo_reply``: the credential
+    canary's upstream, which puts the key it receives into every error body."""
+
+    def reply_for(self, request: RecordedRequest) -> AnyReply:
+        return echo_reply(request)
+
+
 @pytest.fixture(name="upstream")
 def upstream_fixture() -> Iterator[UpstreamServer]:
     """A started ``UpstreamServer``, stopped after the test."""
-    server = UpstreamServer().start()
-    try:
+    with UpstreamServer() as server:
         yield server
-    finally:
-        server.stop()

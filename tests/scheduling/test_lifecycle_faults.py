@@ -37,15 +37,16 @@ from typing import Any
 import orjson
 import pytest
 
-from agents import packages, services
+from agents import services
 from agents.engine import INTERRUPTED_TOOL_ERROR
 from agents.models import ManagedAgentRecord
-from pooling.models import ModelRecord, Protocol
+from agents.services import packages
+from pooling.models import ModelRecord
 from scheduling.models import TERMINAL_STATUSES, Event, Run, RunStatus, Session, WorkerSnapshot
 from scheduling.runs import TERMINAL_EVENTS
 from tests.conftest import demo_manifest, scripted_model
 from tests.pooling.upstream import (
-    ErrorReply,
+    AnyReply,
     RecordedRequest,
     Reply,
     UpstreamServer,
@@ -87,16 +88,7 @@ def _a_fresh_worker_finishes(
 def _gpt_package(user, upstream: UpstreamServer, name: str = "faults") -> None:
     """A package whose agent's model is the loopback upstream (OpenAI protocol)."""
     if not ModelRecord.objects.filter(owner=None, name="gpt").exists():
-        record = ModelRecord(
-            owner=None,
-            name="gpt",
-            protocol=Protocol.OPENAI,
-            base_url=upstream.openai_base_url,
-            model="gpt-test",
-            options={"timeout": 60},
-        )
-        record.api_key = "sk-faults"
-        record.save()
+        upstream.model_record(name="gpt", api_key="sk-faults", model="gpt-test", timeout=60)
     packages.package_create(owner=user, manifest=demo_manifest(name=name, model="gpt"))
 
 
@@ -201,8 +193,8 @@ class ToolUpstream(UpstreamServer):
     and, whatever the executor batches, commits at every boundary: claim, start (its first
     events), append (the tool call's start or result) and finish."""
 
-    def _next(self, request: RecordedRequest) -> Reply | ErrorReply:
-        reply = super()._next(request)
+    def reply_for(self, request: RecordedRequest) -> AnyReply:
+        reply = super().reply_for(request)
         if reply is not self.default:
             return reply  # a queued reply
         messages = (request.json or {}).get("messages") or []
@@ -220,11 +212,8 @@ class ToolUpstream(UpstreamServer):
 
 @pytest.fixture
 def tool_upstream() -> Iterator[ToolUpstream]:
-    server = ToolUpstream().start()
-    try:
+    with ToolUpstream() as server:
         yield server
-    finally:
-        server.stop()
 
 
 FIRST = ["run.started:first", "user"]

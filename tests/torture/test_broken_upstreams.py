@@ -1,10 +1,8 @@
 """The upstream fault catalogue: a run against each broken upstream ends as documented.
 
 Each case is an ``openai``-protocol model record pointing at a real HTTP server on
-loopback — ``tests.pooling.upstream.UpstreamServer`` for the replies it can script, and
-`tests.torture.upstreams.FaultUpstream` for a reset connection and a stream cut in the
-middle of a token. A run is submitted through the API and followed through the API until
-it ends (or suspends):
+loopback, ``tests.pooling.upstream.UpstreamServer``, scripted with the case's replies. A
+run is submitted through the API and followed through the API until it ends (or suspends):
 
 - garbage, HTML, a broken or non-UTF-8 event stream, a 502 page, a reset, a cut or dropped
   stream: ``failed`` with ``upstream.error``, retryable;
@@ -22,7 +20,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +27,15 @@ import httpx
 import pytest
 
 from tests.conftest import demo_manifest
-from tests.pooling.upstream import ErrorReply, Reply, UpstreamServer
+from tests.pooling.upstream import (  # noqa: F401  (upstream_fixture registers "upstream")
+    AnyReply,
+    ErrorReply,
+    Reply,
+    Reset,
+    UpstreamServer,
+    upstream_fixture,
+)
 from tests.torture.host import TERMINAL, LiveHost, make_user
-from tests.torture.upstreams import FaultUpstream
 
 CHECK = "upstream-faults"
 pytestmark = [pytest.mark.torture, pytest.mark.django_db(transaction=True)]
@@ -70,9 +73,8 @@ _DONE = (
 
 @dataclass(frozen=True, slots=True)
 class Case:
-    replies: tuple[Reply | ErrorReply, ...] = ()  # UpstreamServer's queue, then `default`
-    default: Reply | ErrorReply | None = None
-    mode: str | None = None  # a FaultUpstream mode instead
+    replies: tuple[AnyReply, ...] = ()  # UpstreamServer's queue, then `default`
+    default: AnyReply | None = None
     code: str = "upstream.error"
     retryable: bool = True
     suspends: bool = False
@@ -123,28 +125,13 @@ def _cases(m: str) -> dict[str, Case]:
             code="upstream.auth",
             retryable=False,
         ),
-        "connection-reset": Case(mode="reset"),
-        "cut-mid-token": Case(mode="cut"),
+        "connection-reset": Case(default=Reset()),
+        "cut-mid-token": Case(default=Reply(text="Hel", cut_mid_event=True, drop_after_text=True)),
         "stream-dropped": Case(default=Reply(text=f"partial answer {m}", drop_after_text=True)),
     }
 
 
 CASES = _cases(MARK)
-
-
-@pytest.fixture(scope="module")
-def fault_upstream() -> Iterator[FaultUpstream]:
-    with FaultUpstream() as server:
-        yield server
-
-
-@pytest.fixture
-def scripted_upstream() -> Iterator[UpstreamServer]:
-    server = UpstreamServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _leaks(api: httpx.Client, run: dict[str, Any], marker: str) -> list[str]:
@@ -163,35 +150,19 @@ def _leaks(api: httpx.Client, run: dict[str, Any], marker: str) -> list[str]:
 def test_a_broken_upstream_ends_the_run_as_documented(
     case: str,
     live_host: LiveHost,
-    fault_upstream: FaultUpstream,
-    scripted_upstream: UpstreamServer,
+    upstream: UpstreamServer,
     figures: dict[str, Any],
 ) -> None:
-    from agents import packages
-    from pooling.models import ModelRecord, Protocol
+    from agents.services import packages
 
     spec = CASES[case]
     live_host.ensure_worker()
-    if spec.mode is not None:
-        base_url = fault_upstream.base_url(spec.mode)
-        received = lambda: len(fault_upstream.requests_for(spec.mode))  # noqa: E731
-    else:
-        scripted_upstream.default = spec.default or Reply()
-        scripted_upstream.enqueue(*spec.replies)
-        base_url = scripted_upstream.openai_base_url
-        received = lambda: len(scripted_upstream.requests)  # noqa: E731
-    before = received()
+    upstream.default = spec.default or Reply()
+    upstream.enqueue(*spec.replies)
     user, token = make_user(f"faults-{case}")
-    record = ModelRecord(
-        owner=user,
-        name="faulty",
-        protocol=Protocol.OPENAI,
-        base_url=base_url,
-        model="torture",
-        options={"timeout": 15},
+    upstream.model_record(
+        owner=user, name="faulty", api_key="sk-torture-faults", model="torture", timeout=15
     )
-    record.api_key = "sk-torture-faults"
-    record.save()
     name = f"faults-{case}"
     manifest = demo_manifest(name=name, model="faulty", tools=[])
     packages.package_create(owner=user, manifest=manifest)
@@ -219,14 +190,14 @@ def test_a_broken_upstream_ends_the_run_as_documented(
         status=first["status"],
         code=error.get("code"),
         retryable=error.get("retryable"),
-        requests=received() - before,
+        requests=len(upstream.requests),
         leaked_into=leaks,
         seconds=round(time.monotonic() - began, 1),
     )
     if resumed_status is not None:
         figures["after_retry"] = resumed_status
 
-    assert received() > before, "the upstream was never asked: the case tested nothing"
+    assert upstream.requests, "the upstream was never asked: the case tested nothing"
     assert not leaks, f"the upstream body reached {leaks}"
     if spec.suspends:
         assert first["status"] == "suspended", first

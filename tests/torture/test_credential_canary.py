@@ -1,9 +1,9 @@
 """The credential canary: a model key shows up nowhere but in its encrypted column.
 
 Alice registers a model record through the API with a unique key (``openai`` protocol,
-``base_url`` on `tests.torture.upstreams.FaultUpstream` in ``echo`` mode, which puts the
-key it receives into every error body it answers: 401, 400, 500, a 502 HTML page, 429, an
-error event inside a 200 stream) and runs one run per error (and one that succeeds). Then
+``base_url`` on `tests.pooling.upstream.EchoUpstream`, which puts the key it receives
+into every error body it answers: 401, 400, 500, a 502 HTML page, 429, an error event
+inside a 200 stream) and runs one run per error (and one that succeeds). Then
 the key is looked for — whole, and as any 12 consecutive characters of its random part —
 in:
 
@@ -32,9 +32,9 @@ import pytest
 from django.urls import NoReverseMatch, reverse
 
 from tests.conftest import demo_manifest
+from tests.pooling.upstream import ECHO_CASES, EchoUpstream
 from tests.torture.host import TERMINAL, LiveHost, make_user
 from tests.torture.test_cross_user import api_routes
-from tests.torture.upstreams import ECHO_CASES, FaultUpstream
 
 CHECK = "credential-canary"
 pytestmark = [pytest.mark.torture, pytest.mark.django_db(transaction=True)]
@@ -164,7 +164,7 @@ def test_a_model_key_appears_nowhere_but_in_its_encrypted_column(
     staff, staff_token = make_user("canary-staff", staff=True, password=password)
     statuses: dict[str, str] = {}
     runs: list[dict[str, Any]] = []
-    with FaultUpstream() as upstream, live_host.client(alice_token) as api:
+    with EchoUpstream() as upstream, live_host.client(alice_token) as api:
         record = api.post(
             "/api/v1/model-records/",
             json={
@@ -172,7 +172,7 @@ def test_a_model_key_appears_nowhere_but_in_its_encrypted_column(
                 "protocol": "openai",
                 "model": "canary",
                 "api_key": key,
-                "base_url": upstream.base_url("echo"),
+                "base_url": upstream.openai_base_url,
                 "options": {"timeout": 15},
             },
         )
@@ -197,8 +197,8 @@ def test_a_model_key_appears_nowhere_but_in_its_encrypted_column(
             statuses[case] = done["status"]
             if done["status"] == "suspended":
                 api.post(f"/api/v1/runs/{run['id']}/cancel/")  # one more API path
-        requests = upstream.requests_for("echo")
-    sent_key = sum(1 for r in requests if r["headers"].get("authorization") == f"Bearer {key}")
+        requests = upstream.requests
+    sent_key = sum(1 for r in requests if r.headers.get("authorization") == f"Bearer {key}")
 
     ids = {
         "modelrecord": [str(record.json()["id"])],
@@ -233,7 +233,7 @@ def test_a_model_key_appears_nowhere_but_in_its_encrypted_column(
     stored = ModelRecord.objects.get(pk=record.json()["id"])
     control = Scanner(key, random_part)
     for request in requests:
-        control.scan("upstream", request["path"], repr(request))
+        control.scan("upstream", request.path, repr(request))
     figures.update(
         runs=statuses,
         key_sent=sent_key,

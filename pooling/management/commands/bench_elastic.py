@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from pooling.elastic import ElasticPool, Janitor, SpareFactory, spares_for
+from pooling.elastic import Janitor, pool_with_spares, spares_for
 from pooling.interpreters import InterpreterLimits, WarmInterpreter
 
 try:  # The command wrapper needs Django; run_benchmark does not.
@@ -166,16 +166,14 @@ async def _replay(
     resident = ceiling if name == "preallocated" else 1
     grace = 10**9 if name == "grow_only" else 2
     # Spares are resident states too: they are counted in every resident figure below.
-    spare = SpareFactory(tracker.factory, tracker.closer, spares=spares) if spares else None
-    pool: ElasticPool[Any] = ElasticPool(
-        spare or tracker.factory,
+    pool, spare = pool_with_spares(
+        tracker.factory,
         tracker.closer,
+        spares=spares,
         max_size=ceiling,
         resident=resident,
         janitor_interval=janitor_interval,
         shrink_grace_rounds=grace,
-        on_close=spare.close if spare is not None else None,
-        on_idle=spare.trim if spare is not None else None,
     )
 
     def resident_now() -> int:
@@ -337,24 +335,10 @@ async def run_benchmark_async(
     return lines
 
 
-def run_benchmark(
-    *,
-    ceiling: int = 64,
-    janitor_interval: float = 0.2,
-    seed: int = 7,
-    simulate: bool = True,
-    spares: int | None = None,
-) -> list[dict[str, Any]]:
-    """Synchronous entry point: run the benchmark in a fresh event loop."""
-    return asyncio.run(
-        run_benchmark_async(
-            ceiling=ceiling,
-            janitor_interval=janitor_interval,
-            seed=seed,
-            simulate=simulate,
-            spares=spares,
-        )
-    )
+def run_benchmark(**options: Any) -> list[dict[str, Any]]:
+    """Synchronous entry point: :func:`run_benchmark_async` with the same keyword options,
+    in a fresh event loop."""
+    return asyncio.run(run_benchmark_async(**options))
 
 
 class Command(BaseCommand):  # type: ignore[misc,valid-type]
