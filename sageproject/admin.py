@@ -85,7 +85,7 @@ class SageAdminSite(admin.AdminSite):
 
         now = timezone.now()
         workers = []
-        for snapshot in WorkerSnapshot.objects.filter(stopped_at__isnull=True)[:20]:
+        for snapshot in WorkerSnapshot.objects.live():
             workers.append({
                 "snapshot": snapshot,
                 "stale": now - snapshot.heartbeat_at > STALE_AFTER,

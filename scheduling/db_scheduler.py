@@ -23,7 +23,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import datetime, timedelta
@@ -38,18 +37,14 @@ from scheduling.leases import (
     FenceRejected,
     LeaseExpired,
     LeaseReleaseReason,
-    SchedulerCapabilities,
+    SchedulerBase,
     SchedulerClaimPolicy,
     SchedulerQuotaGroup,
     WorkerLease,
     WorkItem,
     _as_timedelta,
-    _content,
-    _Ledger,
-    _wake,
     closed_error,
     queue_full_error,
-    work_id_conflict_error,
 )
 from scheduling.models import TERMINAL_STATUSES, Run, RunStatus
 from scheduling.runs import Fence, Grant
@@ -104,7 +99,7 @@ def lease_fence(lease: WorkerLease) -> Fence:
     )
 
 
-class DatabaseScheduler:
+class DatabaseScheduler(SchedulerBase):
     """The scheduler protocol on ``Run`` rows, safe across worker processes.
 
     ``queue`` limits claims (and pending counts) to one `RunQueue` (None: all). Limits:
@@ -114,6 +109,14 @@ class DatabaseScheduler:
     worker died that many times, with ``execution.worker_restarted`` (suspensions and
     graceful restarts do not count).
     """
+
+    capability_flags = {
+        "durable_across_process_restart": True,
+        "supports_distributed_claims": True,
+        "supports_atomic_tenant_quota": True,
+        "supports_atomic_fenced_mutations": True,
+    }
+    claim_poll = (POLL_START, POLL_MAX)
 
     def __init__(
         self,
@@ -126,26 +129,19 @@ class DatabaseScheduler:
         max_attempts: int | None = None,
         using: str = "default",
     ) -> None:
-        if max_pending_items < 1:
-            raise ValueError("max_pending_items must be positive")
-        if max_retained_terminal_items < 0:
-            raise ValueError("max_retained_terminal_items must be non-negative")
+        # Of a group's ledger only the waiters are used: members of one group wake each other.
+        super().__init__(
+            max_pending_items=max_pending_items,
+            max_retained_terminal_items=max_retained_terminal_items,
+            clock=clock,
+            quota_group=quota_group,
+        )
         self.queue = queue
-        self.max_pending_items = max_pending_items
-        self.max_retained_terminal_items = max_retained_terminal_items
         self.max_attempts = max_attempts
         self.using = using
-        self._clock = clock
-        self._group = quota_group
-        # Only the waiters of a group are used: members of one group wake each other.
-        self._ledger: _Ledger = quota_group if quota_group is not None else _Ledger()
         self._pushed = False  # see `notify`
         self._works: dict[str, WorkItem] = {}
         self._by_run: dict[str, str] = {}
-        self._idempotency: dict[str, str] = {}
-        self._terminal: deque[str] = deque()
-        self._leases: dict[str, WorkerLease] = {}
-        self._closed = False
         self.claims = 0
         self.polls = 0
         self.reaped = 0
@@ -153,25 +149,6 @@ class DatabaseScheduler:
         self._next_recount = time.monotonic() + pending.RECONCILE_SECONDS
 
     # ----------------------------------------------------------------- introspection
-
-    def capabilities(self) -> SchedulerCapabilities:
-        """Static capability flags of this backend."""
-        return SchedulerCapabilities(
-            durable_across_process_restart=True,
-            supports_distributed_claims=True,
-            supports_atomic_tenant_quota=True,
-            supports_atomic_fenced_mutations=True,
-            max_pending_items=self.max_pending_items,
-            max_retained_terminal_items=self.max_retained_terminal_items,
-        )
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def leases(self) -> tuple[WorkerLease, ...]:
-        """Live leases handed out by this scheduler (this process)."""
-        return tuple(self._leases.values())
 
     def snapshot(self) -> dict[str, Any]:
         """Plain-dict figures of this process's side (the database has the rest)."""
@@ -267,22 +244,14 @@ class DatabaseScheduler:
         for a different item under a known ``work_id``, ``scheduler.queue_full`` at the
         pending limit (all queues), ``scheduler.run_not_found`` for a missing row.
         """
-        if self._closed:
-            raise closed_error()
-        existing = self._works.get(work.work_id)
-        if existing is not None:
-            if _content(existing) == _content(work):
-                return False
-            raise work_id_conflict_error(work.work_id)
-        if work.idempotency_key is not None and work.idempotency_key in self._idempotency:
+        if self._already_known(self._works.get(work.work_id), work):
             return False
         accepted = await self._db(self._submit_sync, work)
         if not accepted:
             return False
         self._works[work.work_id] = work
         self._by_run[work.run_id] = work.work_id
-        if work.idempotency_key is not None:
-            self._idempotency[work.idempotency_key] = work.work_id
+        self._remember_key(work)
         self._ledger.notify()
         return True
 
@@ -290,11 +259,8 @@ class DatabaseScheduler:
         """Forget a finished or cancelled item, keeping its key as terminal."""
         work_id = self._by_run.pop(run_id, None)
         work = self._works.pop(work_id, None) if work_id is not None else None
-        if work is None or work.idempotency_key is None:
-            return
-        self._terminal.append(work.idempotency_key)
-        while len(self._terminal) > self.max_retained_terminal_items:
-            self._idempotency.pop(self._terminal.popleft(), None)
+        if work is not None:
+            self._retire_key(work.idempotency_key)
 
     def _requeued(self, run_id: str) -> None:
         work_id = self._by_run.get(run_id)
@@ -387,47 +353,21 @@ class DatabaseScheduler:
             raise closed_error()
         return leases
 
-    async def claim(
-        self,
-        worker_id: str,
-        *,
-        lease_duration: timedelta,
-        policy: SchedulerClaimPolicy | None = None,
-        wait_timeout: float | None = None,
+    async def _claim_once(
+        self, worker_id: str, duration: timedelta, policy: SchedulerClaimPolicy
     ) -> WorkerLease | None:
-        """Lease the best eligible run, waiting up to ``wait_timeout`` seconds for one.
+        leases = await self.claim_many(worker_id, lease_duration=duration, limit=1, policy=policy)
+        return leases[0] if leases else None
 
-        ``0`` tries once, ``None`` waits forever. Between attempts it sleeps until a
-        submit/release in this process (or quota group) wakes it, the next known due time
-        (availability or lease expiry), or a poll interval growing 0.05 s → 1 s. Returns
-        None on timeout. Raises ValueError for a non-positive duration or a negative
-        timeout, ``scheduler.closed`` when closed.
-        """
-        _as_timedelta(lease_duration)
-        if wait_timeout is not None and wait_timeout < 0:
-            raise ValueError("wait_timeout must be non-negative")
-        loop = asyncio.get_running_loop()
-        deadline = None if wait_timeout is None else loop.time() + wait_timeout
-        poll = POLL_START
-        while True:
-            leases = await self.claim_many(
-                worker_id, lease_duration=lease_duration, limit=1, policy=policy
-            )
-            if leases:
-                return leases[0]
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                return None
-            delay = poll
-            due = await self._db(runs.next_due, self.queue, using=self.using)
-            if due is not None:
-                now = await self._db(runs.db_now, self.using, self._clock)
-                delay = min(delay, max((due - now).total_seconds(), 0.001))
-            if remaining is not None:
-                delay = min(delay, remaining)
-            self.polls += 1
-            woke = await self._wait(loop, delay)
-            poll = POLL_START if woke else min(poll * 2, POLL_MAX)
+    async def _due_in(self) -> float | None:
+        """Seconds until the queue's next run becomes available or lease expires, on the
+        database's clock (an idle claim's look between polls, counted in ``polls``)."""
+        self.polls += 1
+        due = await self._db(runs.next_due, self.queue, using=self.using)
+        if due is None:
+            return None
+        now = await self._db(runs.db_now, self.using, self._clock)
+        return max((due - now).total_seconds(), 0.001)
 
     def _lease_from_grant(self, grant: Grant, worker_id: str) -> WorkerLease:
         row = grant.row
@@ -451,19 +391,6 @@ class DatabaseScheduler:
         self._leases[lease.lease_id] = lease
         self.claims += 1
         return lease
-
-    async def _wait(self, loop: asyncio.AbstractEventLoop, delay: float) -> bool:
-        """Sleep up to ``delay`` s or until notified; True if notified."""
-        fut: asyncio.Future[None] = loop.create_future()
-        self._ledger.waiters.add(fut)
-        handle = loop.call_later(max(delay, 0.001), _wake, fut)
-        try:
-            await fut
-        finally:
-            self._ledger.waiters.discard(fut)
-            notified = not handle.cancelled() and handle.when() > loop.time()
-            handle.cancel()
-        return notified
 
     async def wait_for_change(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for a submit/release/close notification here.

@@ -34,7 +34,7 @@ from typing import Any
 from django.db import InterfaceError, InternalError, OperationalError
 from django.utils import timezone
 
-from sageproject.db import db_call
+from sageproject.db import db_call, retry_transient, transient_database_error
 from sageproject.errors import ErrorCategory, SageError
 from scheduling import runs
 from scheduling.db_scheduler import DatabaseScheduler, lease_fence
@@ -76,29 +76,6 @@ def is_transient(exc: BaseException) -> bool:
         return exc.retryable
     transient = OSError | TimeoutError | OperationalError | InterfaceError | InternalError
     return isinstance(exc, transient)
-
-
-def transient_database_error(exc: BaseException) -> bool:
-    """The database restarting or a dropped connection (not a refused statement)."""
-    return isinstance(exc, OperationalError | InterfaceError | InternalError)
-
-
-async def retry_transient(
-    fn: Callable[..., Any], *args: Any, what: str = "database call", **kwargs: Any
-) -> Any:
-    """``await fn(*args, **kwargs)``, retried with backoff (0.05 s → 2 s) while it fails with
-    a transient database error; other errors propagate. Whoever holds a lease is stopped by
-    its renewer if the outage outlasts the lease."""
-    delay = 0.05
-    while True:
-        try:
-            return await fn(*args, **kwargs)
-        except Exception as exc:
-            if not transient_database_error(exc):
-                raise
-            logger.warning("%s failed (%s); retrying in %.2fs", what, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
 
 
 def _stop_requests(run_ids: list[Any]) -> list[tuple[str, str]]:

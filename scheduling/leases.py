@@ -3,15 +3,17 @@
 The values (`WorkItem`, `WorkerLease`, the claim policy and capabilities), the error types
 (one per code: `LeaseExpired`, `FenceRejected`, ...), the one claim-ordering rule
 (`fair_order`) that the in-memory and the database schedulers share, the `Scheduler`
-protocol, and the quota group that members of one process share. Backends:
-`scheduling.memory.InMemoryScheduler` (one event loop) and
+protocol, the quota group that members of one process share, and `SchedulerBase`: the
+bookkeeping both backends keep alike (limits, idempotency and terminal keys, leases) and
+their claim loop. Backends: `scheduling.memory.InMemoryScheduler` (one event loop) and
 `scheduling.db_scheduler.DatabaseScheduler` (``Run`` rows, across processes).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -394,3 +396,164 @@ def _content(work: WorkItem) -> tuple[Any, ...]:
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+# --------------------------------------------------------------------------- shared bookkeeping
+
+
+def _soonest(*delays: float | None) -> float | None:
+    """The smallest of the known delays (None where none is known)."""
+    known = [delay for delay in delays if delay is not None]
+    return min(known) if known else None
+
+
+class SchedulerBase:
+    """What every scheduler backend keeps the same way, and its claim loop.
+
+    The limits (``max_pending_items``, ``max_retained_terminal_items``, the quota group),
+    the ledger whose waiters its claims sleep on (the group's, else a private one), the
+    leases it handed out, the idempotency keys of the work it knows and, once that work
+    finished, the newest ``max_retained_terminal_items`` of them. A backend says how to try
+    one claim (`_claim_once`) and when work may next be due (`_due_in`); ``claim_poll`` —
+    ``(start, max)`` seconds — makes an idle claim also poll, doubling the interval after
+    each wait nothing woke.
+    """
+
+    capability_flags: Mapping[str, bool] = {}
+    claim_poll: tuple[float, float] | None = None
+
+    def __init__(
+        self,
+        *,
+        max_pending_items: int,
+        max_retained_terminal_items: int,
+        clock: Callable[[], datetime] | None,
+        quota_group: SchedulerQuotaGroup | None,
+    ) -> None:
+        if max_pending_items < 1:
+            raise ValueError("max_pending_items must be positive")
+        if max_retained_terminal_items < 0:
+            raise ValueError("max_retained_terminal_items must be non-negative")
+        self.max_pending_items = max_pending_items
+        self.max_retained_terminal_items = max_retained_terminal_items
+        self._clock = clock
+        self._group = quota_group
+        self._ledger: _Ledger = quota_group if quota_group is not None else _Ledger()
+        self._leases: dict[str, WorkerLease] = {}
+        self._idempotency: dict[str, str] = {}
+        self._terminal: deque[str] = deque()
+        self._closed = False
+
+    def capabilities(self) -> SchedulerCapabilities:
+        """Static capability flags of this backend."""
+        return SchedulerCapabilities(
+            max_pending_items=self.max_pending_items,
+            max_retained_terminal_items=self.max_retained_terminal_items,
+            **self.capability_flags,
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def leases(self) -> tuple[WorkerLease, ...]:
+        """Live leases this scheduler handed out (in this process)."""
+        return tuple(self._leases.values())
+
+    # ----------------------------------------------------------------- submit
+
+    def _already_known(self, known: WorkItem | None, work: WorkItem) -> bool:
+        """Whether submitting ``work`` changes nothing: ``known`` (the live item under its
+        ``work_id``) is the same work, or its idempotency key is known (while retained,
+        also after the item finished).
+
+        Raises ``scheduler.closed`` after `close()` and ``scheduler.work_id_conflict`` when
+        ``known`` is different work.
+        """
+        if self._closed:
+            raise closed_error()
+        if known is not None:
+            if _content(known) == _content(work):
+                return True
+            raise work_id_conflict_error(work.work_id)
+        return work.idempotency_key is not None and work.idempotency_key in self._idempotency
+
+    def _remember_key(self, work: WorkItem) -> None:
+        """Record the idempotency key (if any) of newly accepted ``work``."""
+        if work.idempotency_key is not None:
+            self._idempotency[work.idempotency_key] = work.work_id
+
+    def _retire_key(self, key: str | None) -> None:
+        """Keep the key of finished work as terminal, forgetting the oldest beyond
+        ``max_retained_terminal_items`` (keys are unique per item, so the oldest terminal
+        key belongs to no live item)."""
+        if key is None:
+            return
+        self._terminal.append(key)
+        while len(self._terminal) > self.max_retained_terminal_items:
+            self._idempotency.pop(self._terminal.popleft(), None)
+
+    # ----------------------------------------------------------------- claim
+
+    async def claim(
+        self,
+        worker_id: str,
+        *,
+        lease_duration: timedelta,
+        policy: SchedulerClaimPolicy | None = None,
+        wait_timeout: float | None = None,
+    ) -> WorkerLease | None:
+        """Lease the best eligible item, waiting up to ``wait_timeout`` seconds for one.
+
+        ``wait_timeout=0`` tries once, ``None`` waits forever. Between attempts it sleeps
+        until a submit, release or close here (or in the quota group) wakes it, the next
+        due time the backend knows (availability or lease expiry), or its poll interval.
+        Returns the lease, or None on timeout. Raises ValueError for a non-positive duration
+        or a negative timeout, and ``scheduler.closed`` if the scheduler is (or becomes)
+        closed.
+        """
+        duration = _as_timedelta(lease_duration)
+        if wait_timeout is not None and wait_timeout < 0:
+            raise ValueError("wait_timeout must be non-negative")
+        policy = policy or SchedulerClaimPolicy()
+        loop = asyncio.get_running_loop()
+        deadline = None if wait_timeout is None else loop.time() + wait_timeout
+        poll = self.claim_poll[0] if self.claim_poll is not None else None
+        while True:
+            lease = await self._claim_once(worker_id, duration, policy)
+            if lease is not None:
+                return lease
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return None
+            delay = _soonest(await self._due_in(), poll, remaining)
+            woke = await self._wait(loop, delay)
+            if poll is not None and self.claim_poll is not None:
+                start, longest = self.claim_poll
+                poll = start if woke else min(poll * 2, longest)
+
+    async def _claim_once(
+        self, worker_id: str, duration: timedelta, policy: SchedulerClaimPolicy
+    ) -> WorkerLease | None:
+        """One claim attempt without waiting: the lease, or None when nothing is eligible."""
+        raise NotImplementedError
+
+    async def _due_in(self) -> float | None:
+        """Seconds until work may next become claimable here (None: nothing known)."""
+        raise NotImplementedError
+
+    async def _wait(self, loop: asyncio.AbstractEventLoop, delay: float | None) -> bool:
+        """Sleep up to ``delay`` seconds (None: without limit) or until notified; True if
+        notified. A cancelled waiter leaves nothing behind: it never held capacity, and its
+        future is dropped from the ledger."""
+        fut: asyncio.Future[None] = loop.create_future()
+        self._ledger.waiters.add(fut)
+        handle = None if delay is None else loop.call_later(max(delay, 0.001), _wake, fut)
+        try:
+            await fut
+        finally:
+            self._ledger.waiters.discard(fut)
+            notified = handle is None or (not handle.cancelled() and handle.when() > loop.time())
+            if handle is not None:
+                handle.cancel()
+        return notified

@@ -19,7 +19,6 @@ and never holds anything up).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -32,7 +31,7 @@ import orjson
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS
 
-from scheduling.wakeups import backend, keep_listening, pg_params
+from scheduling.wakeups import ChannelListener, backend, pg_params, redis_url, send_datagram
 
 logger = logging.getLogger("sage.live")
 
@@ -49,10 +48,6 @@ DELTA_TEXT = {"message.delta": "text", "tool_call.delta": "arguments"}
 
 def live_dir() -> Path:
     return Path(settings.BASE_DIR) / ".local" / "live"
-
-
-def _redis_url() -> str | None:
-    return (getattr(settings, "SAGE", {}) or {}).get("REDIS_URL") or None
 
 
 # ------------------------------------------------------------------------------ publishing
@@ -141,7 +136,7 @@ class LivePublisher:
         elif self.kind == "redis":
             import redis.asyncio as aioredis
 
-            client = aioredis.Redis.from_url(_redis_url())
+            client = aioredis.Redis.from_url(redis_url())
             try:
                 async for batch in self._batches():
                     async with client.pipeline(transaction=False) as pipe:
@@ -159,14 +154,7 @@ class LivePublisher:
                     # One datagram per batch (JSON lines): a receiver's queue holds few
                     # datagrams (net.unix.max_dgram_qlen), not few messages.
                     for count, data in _datagrams(batch):
-                        for path in paths:
-                            try:
-                                sender.sendto(data, str(path))
-                            except (ConnectionRefusedError, FileNotFoundError):
-                                with contextlib.suppress(OSError):
-                                    path.unlink()
-                            except BlockingIOError:
-                                self.dropped += count
+                        self.dropped += count * send_datagram(sender, paths, data)
                     self.sent += len(batch)
 
 
@@ -234,28 +222,29 @@ class Subscription:
         await self.hub.unsubscribe(self)
 
 
-class LiveHub:
+class LiveHub(ChannelListener):
     """A web process's end of the channel (one per event loop): started with its first
-    subscriber, stopped with its last."""
+    subscriber, stopped with its last. While the channel is down streams read the durable
+    events; deltas resume once it listens again."""
+
+    pg_channel = CHANNEL
+    redis_channel = REDIS_CHANNEL
+    task_name = "live-hub"
+    label = "live"
+    logger = logger
 
     def __init__(self, *, using: str = DEFAULT_DB_ALIAS) -> None:
-        self.using = using
-        self.kind = backend(using)
+        super().__init__(using=using)
         self.subscribers: dict[str, set[Subscription]] = {}
         self.received = 0
         self.dropped = 0
-        self.reconnects = 0
-        self._task: asyncio.Task[None] | None = None
-        self._ready = asyncio.Event()
 
     async def subscribe(self, session_id: Any) -> Subscription:
         subscription = Subscription(self, str(session_id))
         self.subscribers.setdefault(subscription.session_id, set()).add(subscription)
-        if self._task is None or self._task.done():
-            self._ready = asyncio.Event()
-            self._task = asyncio.create_task(self._run(), name=f"live-hub-{self.kind}")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), 5)
+        if not self.listening:
+            self._begin()
+        await self._until_ready(5)
         return subscription
 
     async def unsubscribe(self, subscription: Subscription) -> None:
@@ -264,10 +253,11 @@ class LiveHub:
             group.discard(subscription)
             if not group:
                 del self.subscribers[subscription.session_id]
-        if not self.subscribers and self._task is not None:
-            task, self._task = self._task, None
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        if not self.subscribers:
+            await self._stop()
+
+    def _socket_path(self) -> Path:
+        return live_dir() / f"web-{os.getpid()}-{id(self):x}.sock"
 
     def _deliver(self, data: bytes | str) -> None:
         raw = data.encode() if isinstance(data, str) else data
@@ -279,23 +269,6 @@ class LiveHub:
             self.received += 1
             for subscription in tuple(self.subscribers.get(str(message.get("session")), ())):
                 subscription.offer(message)
-
-    async def _run(self) -> None:
-        # Streams read the durable events meanwhile; deltas resume once it listens again.
-        await keep_listening(
-            self.kind,
-            pg_channel=CHANNEL,
-            redis_channel=REDIS_CHANNEL,
-            socket_path=live_dir() / f"web-{os.getpid()}-{id(self):x}.sock",
-            deliver=self._deliver,
-            ready=self._ready.set,
-            using=self.using,
-            on_drop=self._dropped,
-        )
-
-    def _dropped(self, exc: Exception) -> None:
-        self.reconnects += 1
-        logger.warning("live channel (%s) dropped: %s; reconnecting", self.kind, exc)
 
 
 _hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LiveHub] = weakref.WeakKeyDictionary()

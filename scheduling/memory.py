@@ -24,22 +24,18 @@ from typing import Any, TypeVar
 from scheduling.leases import (
     ClaimCandidate,
     LeaseReleaseReason,
-    SchedulerCapabilities,
+    SchedulerBase,
     SchedulerClaimPolicy,
     SchedulerQuotaGroup,
     WorkerLease,
     WorkItem,
     _as_timedelta,
-    _content,
-    _Ledger,
-    _wake,
     closed_error,
     fair_order,
     fence_rejected_error,
     lease_expired_error,
     queue_full_error,
     utc_now,
-    work_id_conflict_error,
 )
 
 T = TypeVar("T")
@@ -122,11 +118,17 @@ class RunPins:
         self._on_free(run_id)
 
 
-class InMemoryScheduler:
+class InMemoryScheduler(SchedulerBase):
     """A single-process scheduler with leases, fencing, fair claims and per-run pins.
 
     Not durable and not thread-safe: it belongs to the event loop that first uses it.
     """
+
+    capability_flags = {
+        "durable_across_process_restart": False,
+        "supports_atomic_tenant_quota": True,
+        "supports_atomic_fenced_mutations": True,
+    }
 
     def __init__(
         self,
@@ -136,60 +138,35 @@ class InMemoryScheduler:
         clock: Callable[[], datetime] | None = None,
         quota_group: SchedulerQuotaGroup | None = None,
     ) -> None:
-        if max_pending_items < 1:
-            raise ValueError("max_pending_items must be positive")
-        if max_retained_terminal_items < 0:
-            raise ValueError("max_retained_terminal_items must be non-negative")
-        self.max_pending_items = max_pending_items
-        self.max_retained_terminal_items = max_retained_terminal_items
-        self._clock = clock or utc_now
-        self._group = quota_group
-        self._ledger: _Ledger = quota_group if quota_group is not None else _Ledger()
+        super().__init__(
+            max_pending_items=max_pending_items,
+            max_retained_terminal_items=max_retained_terminal_items,
+            clock=clock or utc_now,
+            quota_group=quota_group,
+        )
         self._ledger.members.append(self)
 
         self._items: dict[str, _Entry] = {}
-        self._idempotency: dict[str, str] = {}
-        self._terminal: deque[str] = deque()
         self._sequence = 0
         # Ready items per tenant: heaps of (-priority, seq, work_id).
         self._ready: dict[str | None, list[tuple[int, int, str]]] = {}
         # Items not yet available: heap of (available_at, seq, work_id).
         self._delayed: list[tuple[datetime, int, str]] = []
-        self._leases: dict[str, WorkerLease] = {}
         # Lease expiries: heap of (expires_at, fencing_token, lease_id); stale entries
         # (renewed or released leases) are skipped lazily.
         self._expiries: list[tuple[datetime, int, str]] = []
         # Expired leases of pinned runs, put back on the heap when the pin clears.
         self._deferred: dict[str, tuple[datetime, int, str]] = {}
         self._pins = RunPins(self._unpinned)
-        self._closed = False
         self._finalized = False
         self._drained: asyncio.Event | None = None
 
     # ----------------------------------------------------------------- introspection
 
-    def capabilities(self) -> SchedulerCapabilities:
-        """Static capability flags of this backend."""
-        return SchedulerCapabilities(
-            durable_across_process_restart=False,
-            supports_atomic_tenant_quota=True,
-            supports_atomic_fenced_mutations=True,
-            max_pending_items=self.max_pending_items,
-            max_retained_terminal_items=self.max_retained_terminal_items,
-        )
-
     @property
     def fence_sequence(self) -> int:
         """The last fencing token handed out (shared with the quota group, if any)."""
         return self._ledger.fence_sequence
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def leases(self) -> tuple[WorkerLease, ...]:
-        """Live leases of this scheduler."""
-        return tuple(self._leases.values())
 
     def pinned_runs(self) -> frozenset[str]:
         """Runs with a fenced write in flight (or queued behind one)."""
@@ -225,15 +202,8 @@ class InMemoryScheduler:
         live item with this ``work_id`` differs, and ``scheduler.queue_full`` when this
         scheduler or its quota group already holds the maximum of pending items.
         """
-        if self._closed:
-            raise closed_error()
         existing = self._items.get(work.work_id)
-        if existing is not None:
-            if _content(existing.work) == _content(work):
-                return False
-            raise work_id_conflict_error(work.work_id)
-        if work.idempotency_key is not None and work.idempotency_key in self._idempotency:
-            # Known while retained, including after the item finished.
+        if self._already_known(existing.work if existing is not None else None, work):
             return False
         if self._pending() >= self.max_pending_items:
             raise queue_full_error(self.max_pending_items)
@@ -242,8 +212,7 @@ class InMemoryScheduler:
         self._sequence += 1
         entry = _Entry(work, self._sequence)
         self._items[work.work_id] = entry
-        if work.idempotency_key is not None:
-            self._idempotency[work.idempotency_key] = work.work_id
+        self._remember_key(work)
         self._push(entry, self._clock())
         self._ledger.notify()
         return True
@@ -269,56 +238,19 @@ class InMemoryScheduler:
 
     # ----------------------------------------------------------------- claim
 
-    async def claim(
-        self,
-        worker_id: str,
-        *,
-        lease_duration: timedelta,
-        policy: SchedulerClaimPolicy | None = None,
-        wait_timeout: float | None = None,
+    async def _claim_once(
+        self, worker_id: str, duration: timedelta, policy: SchedulerClaimPolicy
     ) -> WorkerLease | None:
-        """Lease the best eligible item, waiting up to ``wait_timeout`` seconds for one.
+        """Reap the group's expired leases, then lease the best eligible item, if any.
+        Raises ``scheduler.closed`` once closed."""
+        if self._closed:
+            raise closed_error()
+        now = self._clock()
+        self._reap_group(now)
+        return self._try_claim(worker_id, duration, policy, now)
 
-        ``wait_timeout=0`` tries once, ``None`` waits forever. Returns the lease, or None on
-        timeout. Raises ValueError for a non-positive duration or a negative timeout, and
-        ``scheduler.closed`` if the scheduler is (or becomes) closed.
-        """
-        duration = _as_timedelta(lease_duration)
-        if wait_timeout is not None and wait_timeout < 0:
-            raise ValueError("wait_timeout must be non-negative")
-        policy = policy or SchedulerClaimPolicy()
-        loop = asyncio.get_running_loop()
-        deadline = None if wait_timeout is None else loop.time() + wait_timeout
-        while True:
-            if self._closed:
-                raise closed_error()
-            now = self._clock()
-            self._reap_group(now)
-            lease = self._try_claim(worker_id, duration, policy, now)
-            if lease is not None:
-                return lease
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                return None
-            delay = self._next_wake_delay(now)
-            if remaining is not None:
-                delay = remaining if delay is None else min(delay, remaining)
-            await self._wait(loop, delay)
-
-    async def _wait(self, loop: asyncio.AbstractEventLoop, delay: float | None) -> None:
-        fut: asyncio.Future[None] = loop.create_future()
-        self._ledger.waiters.add(fut)
-        handle = None
-        if delay is not None:
-            handle = loop.call_later(max(delay, 0.001), _wake, fut)
-        try:
-            await fut
-        finally:
-            # A cancelled waiter leaves nothing behind: it never held capacity, and its
-            # future is dropped from the ledger here.
-            self._ledger.waiters.discard(fut)
-            if handle is not None:
-                handle.cancel()
+    async def _due_in(self) -> float | None:
+        return self._next_wake_delay(self._clock())
 
     def _next_wake_delay(self, now: datetime) -> float | None:
         """Seconds until the next delayed item becomes available or a lease may expire."""
@@ -554,13 +486,7 @@ class InMemoryScheduler:
         """Forget a finished or cancelled item, keeping its key as terminal."""
         del self._items[entry.work.work_id]
         entry.queued = False
-        key = entry.work.idempotency_key
-        if key is None:
-            return
-        self._terminal.append(key)
-        while len(self._terminal) > self.max_retained_terminal_items:
-            # Keys are unique per item, so the oldest terminal key belongs to no live item.
-            self._idempotency.pop(self._terminal.popleft(), None)
+        self._retire_key(entry.work.idempotency_key)
 
     async def cancel(self, work_id: str) -> bool:
         """Cancel a pending or leased item; return False if unknown or already finished.

@@ -24,7 +24,18 @@ class SessionKind(models.TextChoices):
     FORK = "fork", "Fork"
 
 
+class OwnedQuerySet(models.QuerySet):
+    """Rows that belong to a user (``owner``)."""
+
+    def visible_to(self, user) -> OwnedQuerySet:
+        """What ``user`` may see through the API: their own rows, or every row for staff.
+        Another user's rows are simply absent, so looking one up answers 404."""
+        return self if user.is_staff else self.filter(owner=user)
+
+
 class Session(models.Model):
+    objects = OwnedQuerySet.as_manager()
+
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="agent_sessions"
@@ -146,6 +157,8 @@ UNFINISHED_STATUSES = frozenset({RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.
 
 
 class Run(models.Model):
+    objects = OwnedQuerySet.as_manager()
+
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="runs")
     owner = models.ForeignKey(
@@ -240,7 +253,18 @@ class FenceSequence(models.Model):
     value = models.BigIntegerField(default=0)
 
 
+class WorkerSnapshotQuerySet(models.QuerySet):
+    def live(self, limit: int = 20) -> WorkerSnapshotQuerySet:
+        """The snapshots of running workers (not stopped), newest heartbeat first, at most
+        ``limit`` of them."""
+        return self.filter(stopped_at__isnull=True).order_by("-heartbeat_at")[:limit]
+
+
 class WorkerSnapshot(models.Model):
+    """The latest capacity snapshot a worker published (its heartbeat)."""
+
+    objects = WorkerSnapshotQuerySet.as_manager()
+
     worker_id = models.CharField(max_length=200, unique=True)
     host = models.CharField(max_length=255)
     pid = models.PositiveIntegerField()
@@ -254,3 +278,14 @@ class WorkerSnapshot(models.Model):
 
     def __str__(self) -> str:
         return self.worker_id
+
+    def summary(self) -> dict[str, Any]:
+        """The snapshot as the capacity command and API show it."""
+        return {
+            "worker_id": self.worker_id,
+            "host": self.host,
+            "pid": self.pid,
+            "started_at": self.started_at,
+            "heartbeat_at": self.heartbeat_at,
+            "capacity": self.capacity,
+        }

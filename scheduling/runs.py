@@ -310,19 +310,24 @@ def check_fence(fence: Fence, *, using: str = DEFAULT_DB_ALIAS, clock: Clock = N
 # ------------------------------------------------------------------------------ events
 
 
+def _locked_prefix(session_id: Any, using: str) -> int:
+    """The session's durable event count, its row locked until the caller's transaction
+    ends."""
+    return (
+        Session.objects.using(using)
+        .select_for_update()
+        .values_list("persisted_events", flat=True)
+        .get(pk=session_id)
+    )
+
+
 def append_event(
     session_id: Any, run_id: Any, event_type: str, payload: Any, *, using: str = DEFAULT_DB_ALIAS
 ) -> int:
     """Append one event after the session's durable prefix (inside the caller's
     transaction, under the session row's lock); returns its seq."""
     with transaction.atomic(using=using):
-        persisted = (
-            Session.objects.using(using)
-            .select_for_update()
-            .values_list("persisted_events", flat=True)
-            .get(pk=session_id)
-        )
-        seq = persisted + 1
+        seq = _locked_prefix(session_id, using) + 1
         Event.objects.using(using).create(
             session_id=session_id,
             seq=seq,
@@ -1673,12 +1678,7 @@ def remove_run_events(session_id: Any, run_id: Any, *, using: str = DEFAULT_DB_A
     """Remove a run's events from its session and renumber the later ones (multitask
     rollback), under the session row's lock; returns how many were removed."""
     with transaction.atomic(using=using):
-        persisted = (
-            Session.objects.using(using)
-            .select_for_update()
-            .values_list("persisted_events", flat=True)
-            .get(pk=session_id)
-        )
+        persisted = _locked_prefix(session_id, using)
         events = Event.objects.using(using).filter(session_id=session_id)
         first = events.filter(run_id=run_id).order_by("seq").values_list("seq", flat=True).first()
         if first is None:

@@ -241,6 +241,20 @@ class _Commit(_Request):
         self.expected = expected
         self.total = total
 
+    def event_rows(self) -> list[Event]:
+        """The commit's new events as ``Event`` rows to insert."""
+        return [
+            Event(
+                session_id=self.session_id,
+                seq=e.seq,
+                run_id=e.run_id,
+                type=e.type,
+                data=e.data,
+                created_at=e.created_at,
+            )
+            for e in self.rows
+        ]
+
 
 _STOP = object()
 
@@ -494,18 +508,7 @@ class _Writer(threading.Thread):
             replaced = [commits[i].session_id for i in live if commits[i].replace]
             if replaced:
                 Event.objects.using(using).filter(session_id__in=replaced).delete()
-            rows = [
-                Event(
-                    session_id=c.session_id,
-                    seq=e.seq,
-                    run_id=e.run_id,
-                    type=e.type,
-                    data=e.data,
-                    created_at=e.created_at,
-                )
-                for c in (commits[i] for i in live)
-                for e in c.rows
-            ]
+            rows = [row for i in live for row in commits[i].event_rows()]
             if rows:
                 Event.objects.using(using).bulk_create(rows, batch_size=REWRITE_BATCH_SIZE)
             for i in live:
@@ -543,18 +546,7 @@ class _Writer(threading.Thread):
             Event.objects.using(using).filter(session_id=commit.session_id).delete()
         if commit.rows:
             Event.objects.using(using).bulk_create(
-                [
-                    Event(
-                        session_id=commit.session_id,
-                        seq=e.seq,
-                        run_id=e.run_id,
-                        type=e.type,
-                        data=e.data,
-                        created_at=e.created_at,
-                    )
-                    for e in commit.rows
-                ],
-                batch_size=REWRITE_BATCH_SIZE,
+                commit.event_rows(), batch_size=REWRITE_BATCH_SIZE
             )
         # Run deletion after the event rows, before the count: the original's order.
         for run_id in commit.delete_runs:

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,8 @@ def socket_dir() -> Path:
     return Path(settings.BASE_DIR) / ".local" / "wakeup"
 
 
-def _redis_url() -> str | None:
+def redis_url() -> str | None:
+    """The deployment's ``REDIS_URL`` (None when it has no Redis)."""
     return (getattr(settings, "SAGE", {}) or {}).get("REDIS_URL") or None
 
 
@@ -53,7 +54,7 @@ def backend(using: str = DEFAULT_DB_ALIAS) -> str:
     """``postgresql``, ``redis`` or ``socket``: the channel this deployment uses."""
     if connections[using].vendor == "postgresql":
         return "postgresql"
-    if _redis_url():
+    if redis_url():
         return "redis"
     return "socket"
 
@@ -92,7 +93,7 @@ def _publish_redis(message: str) -> None:
     if _redis_client is None:
         import redis
 
-        _redis_client = redis.Redis.from_url(_redis_url(), socket_timeout=1)
+        _redis_client = redis.Redis.from_url(redis_url(), socket_timeout=1)
     _redis_client.publish(REDIS_CHANNEL, message)
 
 
@@ -100,18 +101,25 @@ def _send_sockets(message: str) -> None:
     directory = socket_dir()
     if not directory.is_dir():
         return
-    data = message.encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
         sender.setblocking(False)
-        for path in directory.glob("*.sock"):
-            try:
-                sender.sendto(data, str(path))
-            except (ConnectionRefusedError, FileNotFoundError):
-                # Its worker is gone: nobody will read this socket again.
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            except BlockingIOError:
-                pass  # its buffer is full of wake-ups already: it will look anyway
+        # A socket too full to take it is full of wake-ups already: its worker will look.
+        send_datagram(sender, directory.glob("*.sock"), message.encode())
+
+
+def send_datagram(sender: socket.socket, paths: Iterable[Path], data: bytes) -> int:
+    """Send ``data`` from the non-blocking ``sender`` to every socket in ``paths``; a socket
+    that refuses it or is gone is removed (its process will never read it again). Returns
+    how many sockets were too full to take it."""
+    full = 0
+    for path in paths:
+        try:
+            sender.sendto(data, str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            _remove(path)
+        except BlockingIOError:
+            full += 1
+    return full
 
 
 # ------------------------------------------------------------------------------ listening
@@ -154,7 +162,7 @@ async def listen(
     if kind == "redis":
         import redis.asyncio as aioredis
 
-        client = aioredis.Redis.from_url(_redis_url())
+        client = aioredis.Redis.from_url(redis_url())
         pubsub = client.pubsub()
         try:
             await pubsub.subscribe(redis_channel)
@@ -226,33 +234,103 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-class Listener:
-    """A worker's end of the channel: calls ``on_wake(kind, payload)`` on its event loop
-    for every message, reconnecting (with backoff) when the channel drops."""
+class ChannelListener:
+    """A process's listening end of one channel (``pg_channel`` on PostgreSQL,
+    ``redis_channel`` on Redis, a datagram socket at `_socket_path` otherwise): listens in
+    a task named ``task_name``, hands every message to `_deliver`, and listens again with
+    backoff when the channel drops (counted in ``reconnects``, logged on ``logger`` as the
+    ``label`` channel)."""
 
-    def __init__(self, on_wake: OnWake, *, worker_id: str, using: str = DEFAULT_DB_ALIAS) -> None:
-        self.on_wake = on_wake
-        self.worker_id = worker_id
+    pg_channel: str
+    redis_channel: str
+    task_name: str
+    label: str
+    logger: logging.Logger
+
+    def __init__(self, *, using: str = DEFAULT_DB_ALIAS) -> None:
         self.using = using
         self.kind = backend(using)
-        self.received = 0
         self.reconnects = 0
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
 
+    def _socket_path(self) -> Path:
+        """Where this end binds its datagram socket (the socket transport)."""
+        raise NotImplementedError
+
+    def _deliver(self, data: bytes | str) -> None:
+        """Handle one message (a socket datagram or a notification's payload)."""
+        raise NotImplementedError
+
+    @property
+    def listening(self) -> bool:
+        """Whether the listening task runs."""
+        return self._task is not None and not self._task.done()
+
+    def _begin(self) -> None:
+        """Start the listening task (see `_until_ready`)."""
+        self._ready = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name=f"{self.task_name}-{self.kind}")
+
+    async def _until_ready(self, seconds: float) -> None:
+        """Wait until the task listens (or failed once), at most ``seconds``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), seconds)
+
+    async def _stop(self) -> None:
+        """Cancel the listening task and wait for it to end."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        await keep_listening(
+            self.kind,
+            pg_channel=self.pg_channel,
+            redis_channel=self.redis_channel,
+            socket_path=self._socket_path(),
+            deliver=self._deliver,
+            ready=self._ready.set,
+            using=self.using,
+            on_drop=self._dropped,
+        )
+
+    def _dropped(self, exc: Exception) -> None:
+        self.reconnects += 1
+        self.logger.warning("%s channel (%s) dropped: %s; reconnecting", self.label, self.kind, exc)
+
+
+class Listener(ChannelListener):
+    """A worker's end of the channel: calls ``on_wake(kind, payload)`` on its event loop
+    for every message, reconnecting (with backoff) when the channel drops."""
+
+    pg_channel = CHANNEL
+    redis_channel = REDIS_CHANNEL
+    task_name = "wakeups"
+    label = "wake-up"
+    logger = logger
+
+    def __init__(self, on_wake: OnWake, *, worker_id: str, using: str = DEFAULT_DB_ALIAS) -> None:
+        super().__init__(using=using)
+        self.on_wake = on_wake
+        self.worker_id = worker_id
+        self.received = 0
+
     async def start(self) -> None:
         """Start listening; returns once the channel is listening (or failed once)."""
-        self._task = asyncio.create_task(self._run(), name=f"wakeups-{self.kind}")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), 10)
+        self._begin()
+        await self._until_ready(10)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._stop()
 
     def snapshot(self) -> dict[str, Any]:
         return {"channel": self.kind, "received": self.received, "reconnects": self.reconnects}
+
+    def _socket_path(self) -> Path:
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.worker_id)
+        return socket_dir() / f"{safe}-{os.getpid()}.sock"
 
     def _deliver(self, data: bytes | str) -> None:
         self.received += 1
@@ -263,21 +341,7 @@ class Listener:
         except Exception:
             logger.exception("wake-up handler failed for %r", message)
 
-    async def _run(self) -> None:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.worker_id)
-        await keep_listening(
-            self.kind,
-            pg_channel=CHANNEL,
-            redis_channel=REDIS_CHANNEL,
-            socket_path=socket_dir() / f"{safe}-{os.getpid()}.sock",
-            deliver=self._deliver,
-            ready=self._ready.set,
-            using=self.using,
-            on_drop=self._dropped,
-        )
-
     def _dropped(self, exc: Exception) -> None:
-        self.reconnects += 1
-        logger.warning("wake-up channel (%s) dropped: %s; reconnecting", self.kind, exc)
+        super()._dropped(exc)
         # Whatever was sent meanwhile is found by polling; say so to the worker.
         self._deliver("run")

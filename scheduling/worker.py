@@ -4,7 +4,8 @@ Composition: a `DatabaseScheduler` over both run queues with one `SchedulerQuota
 (``SAGE_SERVER_MAX_CONCURRENT_RUNS`` / ``…_PER_USER`` / ``SAGE_SERVER_MAX_PENDING_RUNS``,
 counted in the database, so they never multiply with queues or workers), a `Dispatcher`
 that supervises executions (lease renewal, cancellation, shutdown), a snapshot publisher
-(`WorkerSnapshot`), and the executor named by ``settings.SAGE_RUN_EXECUTOR``.
+(`WorkerSnapshot`), and the executor it is given (the ``runworker`` command composes
+the worker with ``agents.executor.RunExecutor``; scheduling never imports agents).
 
 Start-up recovery: a run found ``running`` with no live lease (its worker died) is requeued
 with one more crash counted or, once its worker died ``SAGE_MAX_RUN_ATTEMPTS`` times, failed
@@ -28,7 +29,6 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Count
 from django.utils import timezone
-from django.utils.module_loading import import_string
 
 from sageproject.db import db_call
 from scheduling import live
@@ -75,7 +75,7 @@ class Worker:
         lease_seconds: float | None = None,
         heartbeat_seconds: float | None = None,
         grace_seconds: float | None = None,
-        executor: Any = None,
+        executor: Any,
         worker_id: str | None = None,
         max_per_user: int | None = None,
         cancel_poll_seconds: float = 1.0,
@@ -95,7 +95,7 @@ class Worker:
         )
         self.max_attempts = sage["SAGE_MAX_RUN_ATTEMPTS"]
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        self.executor = executor or import_string(settings.SAGE_RUN_EXECUTOR)()
+        self.executor = executor
         self.started_at = timezone.now()
         self.quota = SchedulerQuotaGroup(self.max_concurrent, self.max_per_user, self.max_pending)
         self.scheduler = DatabaseScheduler(

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,8 +36,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from sageproject.db import database_url
-
-ROOT = Path(__file__).resolve().parents[2]
+from scheduling.children import ROOT, Child
 
 # Worker settings for tests: a renewal every second and leases long enough that a loaded
 # machine (a worker's event loop stalled for seconds, e.g. importing a vendor SDK) does not
@@ -52,7 +51,6 @@ DEFAULT_ENV = {
 }
 # Inherited variables that must never reach a worker unless a test sets them.
 _CLEARED = ("SAGE_TEST_DB_NAME", "SAGE_CRASH_AT", "SAGE_STOP_AT")
-LOG_TAIL_CHARS = 4000
 
 
 def worker_env(overrides: Mapping[str, str | None] | None = None) -> dict[str, str]:
@@ -73,29 +71,24 @@ def worker_env(overrides: Mapping[str, str | None] | None = None) -> dict[str, s
     return env
 
 
-class WorkerProcess:
-    """One ``manage.py runworker`` subprocess; its output goes to ``log``."""
+class WorkerProcess(Child):
+    """One ``manage.py runworker`` subprocess (``args`` added to its command line) with
+    `worker_env` and the ``env`` overrides; its output goes to ``worker-<name>.log``."""
 
-    def __init__(self, name: str, log_dir: Path, env: Mapping[str, str | None] | None = None):
-        self.name = name
-        self.log = log_dir / f"worker-{name}.log"
+    def __init__(
+        self,
+        name: str,
+        log_dir: Path,
+        env: Mapping[str, str | None] | None = None,
+        args: Sequence[str] = (),
+    ) -> None:
         self.env = dict(env or {})
         self.started_at = time.monotonic()
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "manage.py", "runworker"],
-                cwd=ROOT,
-                env=worker_env(env),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+        argv = [sys.executable, "manage.py", "runworker", *args]
+        super().__init__(name, argv, worker_env(env), log_dir / f"worker-{name}.log")
 
     def __repr__(self) -> str:
         return f"<WorkerProcess {self.name} pid={self.pid} returncode={self.returncode}>"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
     @property
     def owner_marker(self) -> str:
@@ -103,23 +96,17 @@ class WorkerProcess:
         return f":{self.pid}:"
 
     @property
-    def returncode(self) -> int | None:
-        return self.proc.poll()
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    @property
     def killed(self) -> bool:
         """True once the process has died of SIGKILL."""
         return self.proc.poll() == -signal.SIGKILL
 
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def tail(self, chars: int = LOG_TAIL_CHARS) -> str:
-        return self.output()[-chars:]
+    def state(self) -> str:
+        """The process state letter from /proc (``T``: stopped), or ``gone``."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return "gone"
+        return stat.rsplit(")", 1)[1].split()[0]
 
     def signal(self, sig: int) -> None:
         if self.alive:
@@ -183,12 +170,7 @@ class WorkerProcess:
         deadline. Returns the exit code."""
         if self.alive:
             self.proc.send_signal(signal.SIGCONT)  # a frozen (SIGSTOP) worker can't stop
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
+        return self.stop(timeout)
 
 
 def expire_leases(worker: WorkerProcess) -> int:

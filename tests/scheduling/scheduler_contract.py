@@ -16,7 +16,7 @@ claim itself (bounded), never on a bare sleep.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -25,6 +25,7 @@ import pytest
 from sageproject.errors import ErrorCategory, SageError
 from scheduling.scheduler import (
     LeaseReleaseReason,
+    Scheduler,
     SchedulerClaimPolicy,
     SchedulerQuotaGroup,
     WorkerLease,
@@ -58,6 +59,106 @@ async def spin(times: int = 20) -> None:
         await asyncio.sleep(0)
 
 
+async def claim_storm(
+    members: list[Any],
+    make_work: Callable[..., WorkItem],
+    *,
+    total: int,
+    workers: int,
+    policy: SchedulerClaimPolicy | None = None,
+    bound: float = BOUND,
+) -> tuple[int, dict[str, int]]:
+    """Submit ``total`` items of three tenants round-robin to ``members``, then let
+    ``workers`` claim loops (spread over the members) each claim, hold for a few loop turns
+    and release until all are done, within ``bound`` seconds. Returns the peak of live
+    leases and each tenant's."""
+    tenants = ["alice", "bob", "carol"]
+    for i in range(total):
+        await members[i % len(members)].submit(make_work(f"w{i}", tenant_id=tenants[i % 3]))
+    active: dict[str, int] = {}
+    peak_total = 0
+    peaks: dict[str, int] = {}
+    done = 0
+
+    async def worker(member: Any, name: str) -> None:
+        nonlocal done, peak_total
+        while done < total:
+            lease = await member.claim(name, lease_duration=LEASE, policy=policy, wait_timeout=0.05)
+            if lease is None:
+                continue
+            tenant = lease.work.tenant_id
+            active[tenant] = active.get(tenant, 0) + 1
+            peaks[tenant] = max(peaks.get(tenant, 0), active[tenant])
+            peak_total = max(peak_total, sum(active.values()))
+            await spin(3)
+            active[tenant] -= 1
+            done += 1
+            await member.release(lease, LeaseReleaseReason.COMPLETED)
+
+    loops = (worker(members[i % len(members)], f"worker-{i}") for i in range(workers))
+    await within(asyncio.gather(*loops), bound)
+    assert done == total
+    return peak_total, peaks
+
+
+async def leased(
+    scheduler: Any, make_work: Callable[..., WorkItem], name: str, **fields: Any
+) -> WorkerLease:
+    """Submit the work item ``name`` (with ``fields``) and claim it as ``worker-<name>``;
+    the lease."""
+    await scheduler.submit(make_work(name, **fields))
+    lease = await scheduler.claim(f"worker-{name}", lease_duration=LEASE, wait_timeout=0)
+    assert lease is not None and lease.work.work_id == name
+    return lease
+
+
+async def claim_woken_by_release(
+    waiting: Awaitable[WorkerLease | None], holder: Any, held: WorkerLease
+) -> WorkerLease | None:
+    """Start the ``waiting`` claim, check that it waits, release ``held`` (a lease of
+    ``holder``) and return what the claim then got."""
+    waiter = asyncio.create_task(waiting)
+    await spin()
+    assert not waiter.done()
+    await holder.release(held, LeaseReleaseReason.COMPLETED)
+    return await within(waiter)
+
+
+async def mid_write(scheduler: Any, lease: WorkerLease) -> tuple[asyncio.Task, asyncio.Event]:
+    """A fenced write of ``lease`` that has started and waits for its gate: the write's
+    task (returning ``"done"``) and the gate."""
+    gate, entered = asyncio.Event(), asyncio.Event()
+
+    async def op() -> str:
+        entered.set()
+        await gate.wait()
+        return "done"
+
+    task = asyncio.create_task(scheduler.execute_fenced(lease, op))
+    await within(entered.wait())
+    return task, gate
+
+
+def make_scheduler_fixture(backend: Callable[..., Any]) -> Any:
+    """A ``make_scheduler`` fixture of ``backend`` (a scheduler class): its callable passes
+    its keyword arguments to ``backend``; everything it made is closed at teardown."""
+
+    @pytest.fixture
+    async def make_scheduler() -> AsyncIterator[Callable[..., Any]]:
+        made: list[Any] = []
+
+        def make(**kwargs: Any) -> Any:
+            scheduler = backend(**kwargs)
+            made.append(scheduler)
+            return scheduler
+
+        yield make
+        for scheduler in made:
+            await within(scheduler.close())
+
+    return make_scheduler
+
+
 def default_work(work_id: str, **fields: Any) -> WorkItem:
     fields.setdefault("run_id", f"run-{work_id}")
     fields.setdefault("tenant_id", "alice")
@@ -67,6 +168,9 @@ def default_work(work_id: str, **fields: Any) -> WorkItem:
 
 
 class SchedulerContract:
+    # The backend's capability flags (`SchedulerCapabilities`) that matter.
+    capabilities: dict[str, bool]
+
     @pytest.fixture
     def make_work(self) -> Callable[..., WorkItem]:
         return default_work
@@ -79,7 +183,31 @@ class SchedulerContract:
     def scheduler(self, make_scheduler: Callable[..., Any], clock: ManualClock) -> Any:
         return make_scheduler(clock=clock)
 
+    @pytest.fixture
+    def group_members(
+        self, make_scheduler: Callable[..., Any], clock: ManualClock
+    ) -> Callable[[int, int, int], tuple[Any, Any]]:
+        """``group_members(max_active, max_per_tenant, max_pending)``: two schedulers (the
+        ``chat`` and ``managed`` queues) sharing one new quota group."""
+
+        def make(max_active: int, max_per_tenant: int, max_pending: int) -> tuple[Any, Any]:
+            group = SchedulerQuotaGroup(max_active, max_per_tenant, max_pending)
+            return (
+                make_scheduler(clock=clock, quota_group=group),
+                make_scheduler(clock=clock, quota_group=group),
+            )
+
+        return make
+
     # ------------------------------------------------------------------ submit
+
+    async def test_it_implements_the_scheduler_protocol(self, scheduler):
+        assert isinstance(scheduler, Scheduler)
+
+    async def test_it_reports_its_capabilities(self, make_scheduler):
+        caps = make_scheduler(max_pending_items=5).capabilities()
+        assert caps.max_pending_items == 5
+        assert {flag: getattr(caps, flag) for flag in self.capabilities} == self.capabilities
 
     async def test_it_accepts_new_work_as_pending(self, scheduler, make_work):
         assert await scheduler.submit(make_work("w1")) is True
@@ -277,8 +405,7 @@ class SchedulerContract:
     # ------------------------------------------------------------------ renew / release
 
     async def test_it_renews_a_live_lease(self, scheduler, make_work, clock):
-        await scheduler.submit(make_work("w1"))
-        lease = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        lease = await leased(scheduler, make_work, "w1")
         clock.advance(10)
         renewed = await scheduler.renew(lease, lease_duration=LEASE)
         assert renewed.expires_at == clock.now + LEASE
@@ -286,8 +413,7 @@ class SchedulerContract:
         await scheduler.assert_fence(renewed)
 
     async def test_it_refuses_to_renew_an_expired_lease(self, scheduler, make_work, clock):
-        await scheduler.submit(make_work("w1"))
-        lease = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        lease = await leased(scheduler, make_work, "w1")
         clock.advance(31)
         with pytest.raises(SageError) as info:
             await scheduler.renew(lease, lease_duration=LEASE)
@@ -295,8 +421,7 @@ class SchedulerContract:
         assert await scheduler.pending_count() == 1
 
     async def test_it_refuses_to_renew_a_superseded_lease(self, scheduler, make_work, clock):
-        await scheduler.submit(make_work("w1"))
-        old = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        old = await leased(scheduler, make_work, "w1")
         clock.advance(31)
         new = await scheduler.claim("w2", lease_duration=LEASE, wait_timeout=0)
         assert new.fencing_token == old.fencing_token + 1
@@ -305,23 +430,20 @@ class SchedulerContract:
         assert info.value.code == "scheduler.lease_expired"
 
     async def test_it_requeues_released_work_with_the_next_attempt(self, scheduler, make_work):
-        await scheduler.submit(make_work("w1"))
-        lease = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        lease = await leased(scheduler, make_work, "w1")
         await scheduler.release(lease, LeaseReleaseReason.WORKER_SHUTDOWN, requeue=True)
         again = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
         assert again.work.attempt == 2
         assert again.fencing_token > lease.fencing_token
 
     async def test_it_drops_released_work_without_requeue(self, scheduler, make_work):
-        await scheduler.submit(make_work("w1"))
-        lease = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        lease = await leased(scheduler, make_work, "w1")
         await scheduler.release(lease, LeaseReleaseReason.COMPLETED)
         assert await scheduler.pending_count() == 0
         assert await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0) is None
 
     async def test_it_rejects_releasing_a_stale_lease(self, scheduler, make_work, clock):
-        await scheduler.submit(make_work("w1"))
-        lease = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        lease = await leased(scheduler, make_work, "w1")
         clock.advance(31)
         await scheduler.reap_expired()
         with pytest.raises(SageError) as info:
@@ -331,13 +453,11 @@ class SchedulerContract:
     # ------------------------------------------------------------------ fence / cancel / reap
 
     async def test_it_accepts_the_fence_of_a_current_lease(self, scheduler, make_work):
-        await scheduler.submit(make_work("w1"))
-        lease = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        lease = await leased(scheduler, make_work, "w1")
         await scheduler.assert_fence(lease)
 
     async def test_it_rejects_the_fence_of_an_expired_lease(self, scheduler, make_work, clock):
-        await scheduler.submit(make_work("w1"))
-        lease = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        lease = await leased(scheduler, make_work, "w1")
         clock.advance(30)
         with pytest.raises(SageError) as info:
             await scheduler.assert_fence(lease)
@@ -345,8 +465,7 @@ class SchedulerContract:
         assert info.value.category == ErrorCategory.CONFLICT
 
     async def test_it_rejects_a_forged_token(self, scheduler, make_work):
-        await scheduler.submit(make_work("w1"))
-        lease = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        lease = await leased(scheduler, make_work, "w1")
         forged = WorkerLease(
             lease_id=lease.lease_id,
             work=lease.work,
@@ -370,8 +489,7 @@ class SchedulerContract:
         assert await scheduler.cancel("nope") is False
 
     async def test_it_fences_out_the_lease_of_cancelled_work(self, scheduler, make_work):
-        await scheduler.submit(make_work("w1"))
-        lease = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        lease = await leased(scheduler, make_work, "w1")
         assert await scheduler.cancel("w1") is True
         with pytest.raises(SageError) as info:
             await scheduler.assert_fence(lease)
@@ -417,13 +535,8 @@ class SchedulerContract:
         await scheduler.submit(make_work("a1"))
         await scheduler.submit(make_work("a2"))
         held = await scheduler.claim("w", lease_duration=LEASE, policy=policy, wait_timeout=0)
-        waiter = asyncio.create_task(
-            scheduler.claim("w", lease_duration=LEASE, policy=policy, wait_timeout=BOUND)
-        )
-        await spin()
-        assert not waiter.done()
-        await scheduler.release(held, LeaseReleaseReason.COMPLETED)
-        lease = await within(waiter)
+        waiting = scheduler.claim("w", lease_duration=LEASE, policy=policy, wait_timeout=BOUND)
+        lease = await claim_woken_by_release(waiting, scheduler, held)
         assert lease.work.work_id == "a2"
 
     async def test_it_wakes_a_waiting_claim_at_lease_expiry(self, make_scheduler, make_work):
@@ -457,42 +570,13 @@ class SchedulerContract:
         self, scheduler, make_work
     ):
         policy = SchedulerClaimPolicy(max_active_per_tenant=2)
-        tenants = ["alice", "bob", "carol"]
-        total = 30
-        for i in range(total):
-            await scheduler.submit(make_work(f"w{i}", tenant_id=tenants[i % 3]))
-        active: dict[str, int] = {}
-        peak: dict[str, int] = {}
-        done = 0
-
-        async def worker(name: str) -> None:
-            nonlocal done
-            while done < total:
-                lease = await scheduler.claim(
-                    name, lease_duration=LEASE, policy=policy, wait_timeout=0.05
-                )
-                if lease is None:
-                    continue
-                tenant = lease.work.tenant_id
-                active[tenant] = active.get(tenant, 0) + 1
-                peak[tenant] = max(peak.get(tenant, 0), active[tenant])
-                await spin(3)
-                active[tenant] -= 1
-                done += 1
-                await scheduler.release(lease, LeaseReleaseReason.COMPLETED)
-
-        await within(asyncio.gather(*(worker(f"worker-{i}") for i in range(12))))
-        assert done == total
-        assert peak == {"alice": 2, "bob": 2, "carol": 2}
+        _, peaks = await claim_storm([scheduler], make_work, total=30, workers=12, policy=policy)
+        assert peaks == {"alice": 2, "bob": 2, "carol": 2}
 
     # ------------------------------------------------------------------ quota groups
 
-    async def test_it_shares_the_active_limit_across_group_members(
-        self, make_scheduler, make_work, clock
-    ):
-        group = SchedulerQuotaGroup(2, 2, 100)
-        chat = make_scheduler(clock=clock, quota_group=group)
-        managed = make_scheduler(clock=clock, quota_group=group)
+    async def test_it_shares_the_active_limit_across_group_members(self, group_members, make_work):
+        chat, managed = group_members(2, 2, 100)
         await chat.submit(make_work("c1", tenant_id="alice"))
         await chat.submit(make_work("c2", tenant_id="bob"))
         await managed.submit(make_work("m1", tenant_id="carol"))
@@ -500,12 +584,8 @@ class SchedulerContract:
         assert await chat.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
         assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is None
 
-    async def test_it_shares_the_tenant_limit_across_group_members(
-        self, make_scheduler, make_work, clock
-    ):
-        group = SchedulerQuotaGroup(8, 1, 100)
-        chat = make_scheduler(clock=clock, quota_group=group)
-        managed = make_scheduler(clock=clock, quota_group=group)
+    async def test_it_shares_the_tenant_limit_across_group_members(self, group_members, make_work):
+        chat, managed = group_members(8, 1, 100)
         await chat.submit(make_work("c1", tenant_id="alice"))
         await managed.submit(make_work("m1", tenant_id="alice"))
         await managed.submit(make_work("m2", tenant_id="bob"))
@@ -514,12 +594,8 @@ class SchedulerContract:
         assert lease.work.work_id == "m2"
         assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is None
 
-    async def test_it_shares_the_pending_limit_across_group_members(
-        self, make_scheduler, make_work, clock
-    ):
-        group = SchedulerQuotaGroup(8, 2, 2)
-        chat = make_scheduler(clock=clock, quota_group=group)
-        managed = make_scheduler(clock=clock, quota_group=group)
+    async def test_it_shares_the_pending_limit_across_group_members(self, group_members, make_work):
+        chat, managed = group_members(8, 2, 2)
         await chat.submit(make_work("c1"))
         await managed.submit(make_work("m1"))
         with pytest.raises(SageError) as info:
@@ -528,27 +604,18 @@ class SchedulerContract:
         assert "queue is full" in info.value.message
 
     async def test_it_wakes_a_waiting_member_when_another_member_releases(
-        self, make_scheduler, make_work, clock
+        self, group_members, make_work
     ):
-        group = SchedulerQuotaGroup(1, 1, 100)
-        chat = make_scheduler(clock=clock, quota_group=group)
-        managed = make_scheduler(clock=clock, quota_group=group)
+        chat, managed = group_members(1, 1, 100)
         await chat.submit(make_work("c1", tenant_id="alice"))
         await managed.submit(make_work("m1", tenant_id="bob"))
         held = await chat.claim("w", lease_duration=LEASE, wait_timeout=0)
-        waiter = asyncio.create_task(managed.claim("w", lease_duration=LEASE, wait_timeout=BOUND))
-        await spin()
-        assert not waiter.done()
-        await chat.release(held, LeaseReleaseReason.COMPLETED)
-        lease = await within(waiter)
+        waiting = managed.claim("w", lease_duration=LEASE, wait_timeout=BOUND)
+        lease = await claim_woken_by_release(waiting, chat, held)
         assert lease.work.work_id == "m1"
 
-    async def test_it_leaks_no_group_capacity_to_a_cancelled_waiter(
-        self, make_scheduler, make_work, clock
-    ):
-        group = SchedulerQuotaGroup(1, 1, 100)
-        chat = make_scheduler(clock=clock, quota_group=group)
-        managed = make_scheduler(clock=clock, quota_group=group)
+    async def test_it_leaks_no_group_capacity_to_a_cancelled_waiter(self, group_members, make_work):
+        chat, managed = group_members(1, 1, 100)
         waiter = asyncio.create_task(chat.claim("w", lease_duration=LEASE, wait_timeout=BOUND))
         await spin()
         waiter.cancel()
@@ -557,12 +624,8 @@ class SchedulerContract:
         await managed.submit(make_work("m1"))
         assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
 
-    async def test_it_returns_the_capacity_of_a_closed_member(
-        self, make_scheduler, make_work, clock
-    ):
-        group = SchedulerQuotaGroup(1, 1, 1)
-        chat = make_scheduler(clock=clock, quota_group=group)
-        managed = make_scheduler(clock=clock, quota_group=group)
+    async def test_it_returns_the_capacity_of_a_closed_member(self, group_members, make_work):
+        chat, managed = group_members(1, 1, 1)
         await chat.submit(make_work("c1"))
         await chat.claim("w", lease_duration=LEASE, wait_timeout=0)
         await chat.close()
@@ -576,33 +639,8 @@ class SchedulerContract:
         members = [make_scheduler(quota_group=group) for _ in range(2)]
         # Three tenants for four slots: fair order gives one tenant a second slot, so both
         # the total and the per-tenant limit are reached (and must hold).
-        tenants = ["alice", "bob", "carol"]
-        total = 60
-        for i in range(total):
-            await members[i % 2].submit(make_work(f"w{i}", tenant_id=tenants[i % 3]))
-        active: dict[str, int] = {}
-        peak_total = 0
-        peak_tenant = 0
-        done = 0
-
-        async def worker(member: Any, name: str) -> None:
-            nonlocal done, peak_total, peak_tenant
-            while done < total:
-                lease = await member.claim(name, lease_duration=LEASE, wait_timeout=0.05)
-                if lease is None:
-                    continue
-                tenant = lease.work.tenant_id
-                active[tenant] = active.get(tenant, 0) + 1
-                peak_tenant = max(peak_tenant, active[tenant])
-                peak_total = max(peak_total, sum(active.values()))
-                await spin(3)
-                active[tenant] -= 1
-                done += 1
-                await member.release(lease, LeaseReleaseReason.COMPLETED)
-
-        await within(asyncio.gather(*(worker(members[i % 2], f"worker-{i}") for i in range(16))))
-        assert done == total
-        assert (peak_total, peak_tenant) == (4, 2)
+        peak_total, peaks = await claim_storm(members, make_work, total=60, workers=16)
+        assert (peak_total, max(peaks.values())) == (4, 2)
 
 
 async def _noop() -> None:
@@ -620,14 +658,8 @@ class FencedExecutionContract:
     """``execute_fenced`` of the in-memory scheduler (the database path fences each write
     inside its own transaction instead: ``scheduling.runs.check_fence``)."""
 
-    async def _lease(self, scheduler, make_work, name: str, **fields: Any) -> WorkerLease:
-        await scheduler.submit(make_work(name, **fields))
-        lease = await scheduler.claim(f"worker-{name}", lease_duration=LEASE, wait_timeout=0)
-        assert lease is not None and lease.work.work_id == name
-        return lease
-
     async def test_it_returns_the_result_of_a_fenced_operation(self, scheduler, make_work):
-        lease = await self._lease(scheduler, make_work, "w1")
+        lease = await leased(scheduler, make_work, "w1")
 
         async def op() -> str:
             return "written"
@@ -637,7 +669,7 @@ class FencedExecutionContract:
     async def test_it_does_not_run_an_operation_under_a_stale_lease(
         self, scheduler, make_work, clock
     ):
-        lease = await self._lease(scheduler, make_work, "w1")
+        lease = await leased(scheduler, make_work, "w1")
         clock.advance(31)
         called = False
 
@@ -651,7 +683,7 @@ class FencedExecutionContract:
         assert called is False
 
     async def test_it_propagates_an_operation_error_and_unpins_the_run(self, scheduler, make_work):
-        lease = await self._lease(scheduler, make_work, "w1")
+        lease = await leased(scheduler, make_work, "w1")
 
         async def boom() -> None:
             raise RuntimeError("disk full")
@@ -664,8 +696,8 @@ class FencedExecutionContract:
         assert await within(scheduler.execute_fenced(lease, ok)) == "ok"
 
     async def test_it_commits_different_runs_concurrently(self, scheduler, make_work):
-        first = await self._lease(scheduler, make_work, "w1", tenant_id="alice")
-        second = await self._lease(scheduler, make_work, "w2", tenant_id="bob")
+        first = await leased(scheduler, make_work, "w1", tenant_id="alice")
+        second = await leased(scheduler, make_work, "w2", tenant_id="bob")
         in_first, in_second = asyncio.Event(), asyncio.Event()
 
         async def op(mine: asyncio.Event, other: asyncio.Event) -> None:
@@ -681,7 +713,7 @@ class FencedExecutionContract:
         )
 
     async def test_it_keeps_the_writes_of_one_run_in_order(self, scheduler, make_work):
-        lease = await self._lease(scheduler, make_work, "w1")
+        lease = await leased(scheduler, make_work, "w1")
         gate = asyncio.Event()
         log: list[str] = []
 
@@ -700,44 +732,33 @@ class FencedExecutionContract:
         await within(asyncio.gather(first, second))
         assert log == ["a-start", "a-end", "b-start", "b-end"]
 
-    async def _mid_write(self, scheduler, lease: WorkerLease) -> tuple[asyncio.Task, asyncio.Event]:
-        gate, entered = asyncio.Event(), asyncio.Event()
-
-        async def op() -> str:
-            entered.set()
-            await gate.wait()
-            return "done"
-
-        task = asyncio.create_task(scheduler.execute_fenced(lease, op))
-        await within(entered.wait())
-        return task, gate
-
-    async def test_it_makes_release_wait_for_a_write_in_flight(self, scheduler, make_work):
-        lease = await self._lease(scheduler, make_work, "w1")
-        write, gate = await self._mid_write(scheduler, lease)
-        release = asyncio.create_task(scheduler.release(lease, LeaseReleaseReason.COMPLETED))
+    @pytest.mark.parametrize(
+        ("end", "answer"),
+        [
+            (lambda scheduler, lease: scheduler.release(lease, LeaseReleaseReason.COMPLETED), None),
+            (lambda scheduler, lease: scheduler.cancel(lease.work.work_id), True),
+            (lambda scheduler, lease: scheduler.close(), None),
+        ],
+        ids=["release", "cancel", "close"],
+    )
+    async def test_it_makes_the_end_of_a_lease_wait_for_a_write_in_flight(
+        self, scheduler, make_work, end, answer
+    ):
+        lease = await leased(scheduler, make_work, "w1")
+        write, gate = await mid_write(scheduler, lease)
+        ending = asyncio.create_task(end(scheduler, lease))
         await spin()
-        assert not release.done()
+        assert not ending.done()
         gate.set()
-        await within(release)
-        assert await write == "done"
-
-    async def test_it_makes_cancel_wait_for_a_write_in_flight(self, scheduler, make_work):
-        lease = await self._lease(scheduler, make_work, "w1")
-        write, gate = await self._mid_write(scheduler, lease)
-        cancel = asyncio.create_task(scheduler.cancel("w1"))
-        await spin()
-        assert not cancel.done()
-        gate.set()
-        assert await within(cancel) is True
+        assert await within(ending) is answer
         assert await write == "done"
 
     async def test_it_lets_other_runs_write_and_claim_while_one_is_mid_write(
         self, scheduler, make_work
     ):
-        lease = await self._lease(scheduler, make_work, "w1", tenant_id="alice")
-        write, gate = await self._mid_write(scheduler, lease)
-        other = await self._lease(scheduler, make_work, "w2", tenant_id="bob")
+        lease = await leased(scheduler, make_work, "w1", tenant_id="alice")
+        write, gate = await mid_write(scheduler, lease)
+        other = await leased(scheduler, make_work, "w2", tenant_id="bob")
 
         async def op() -> str:
             return "other"
@@ -747,8 +768,8 @@ class FencedExecutionContract:
         await within(write)
 
     async def test_it_renews_a_lease_while_its_run_is_mid_write(self, scheduler, make_work, clock):
-        lease = await self._lease(scheduler, make_work, "w1")
-        write, gate = await self._mid_write(scheduler, lease)
+        lease = await leased(scheduler, make_work, "w1")
+        write, gate = await mid_write(scheduler, lease)
         clock.advance(31)
         renewed = await within(scheduler.renew(lease, lease_duration=LEASE))
         assert renewed.expires_at == clock.now + LEASE
@@ -757,8 +778,8 @@ class FencedExecutionContract:
         await scheduler.assert_fence(renewed)
 
     async def test_it_does_not_reap_an_expired_lease_mid_write(self, scheduler, make_work, clock):
-        lease = await self._lease(scheduler, make_work, "w1")
-        write, gate = await self._mid_write(scheduler, lease)
+        lease = await leased(scheduler, make_work, "w1")
+        write, gate = await mid_write(scheduler, lease)
         clock.advance(31)
         assert await scheduler.reap_expired() == 0
         gate.set()
@@ -776,9 +797,9 @@ class FencedExecutionContract:
         self, scheduler, make_work, clock
     ):
         policy = SchedulerClaimPolicy(max_active_per_tenant=1)
-        lease = await self._lease(scheduler, make_work, "w1")
+        lease = await leased(scheduler, make_work, "w1")
         await scheduler.submit(make_work("w2"))
-        write, gate = await self._mid_write(scheduler, lease)
+        write, gate = await mid_write(scheduler, lease)
         clock.advance(31)
         assert (
             await scheduler.claim("w", lease_duration=LEASE, policy=policy, wait_timeout=0) is None
@@ -786,18 +807,8 @@ class FencedExecutionContract:
         gate.set()
         await within(write)
 
-    async def test_it_makes_close_wait_for_writes_in_flight(self, scheduler, make_work):
-        lease = await self._lease(scheduler, make_work, "w1")
-        write, gate = await self._mid_write(scheduler, lease)
-        close = asyncio.create_task(scheduler.close())
-        await spin()
-        assert not close.done()
-        gate.set()
-        await within(close)
-        assert await write == "done"
-
     async def test_it_refuses_fenced_writes_after_close(self, scheduler, make_work):
-        lease = await self._lease(scheduler, make_work, "w1")
+        lease = await leased(scheduler, make_work, "w1")
         await scheduler.close()
 
         async def op() -> None:
@@ -808,8 +819,8 @@ class FencedExecutionContract:
         assert info.value.code == "scheduler.closed"
 
     async def test_it_unpins_a_run_whose_writer_is_cancelled_repeatedly(self, scheduler, make_work):
-        lease = await self._lease(scheduler, make_work, "w1")
-        write, _gate = await self._mid_write(scheduler, lease)
+        lease = await leased(scheduler, make_work, "w1")
+        write, _gate = await mid_write(scheduler, lease)
         queued = asyncio.create_task(scheduler.execute_fenced(lease, _noop))
         await spin()
         for task in (queued, write, queued, write):
@@ -823,7 +834,7 @@ class FencedExecutionContract:
     async def test_it_passes_the_pin_on_when_the_next_writer_is_cancelled_at_handoff(
         self, scheduler, make_work
     ):
-        lease = await self._lease(scheduler, make_work, "w1")
+        lease = await leased(scheduler, make_work, "w1")
         gate = asyncio.Event()
         queued: asyncio.Task | None = None
 

@@ -22,7 +22,6 @@ logs are attached to failure messages only.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -39,8 +38,7 @@ from scheduling.models import TERMINAL_STATUSES, Event, Run, RunStatus, Session,
 from scheduling.runs import CLAIM_IDLE_TIMEOUT_MS, TERMINAL_EVENTS
 from tests.conftest import demo_manifest
 from tests.pgcluster import throwaway_cluster
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scheduling.processes import ROOT, WorkerProcess, worker_env
 
 # Worker B must have completed every queued run within this long after worker A froze
 # holding the claim lock. The server ends A's transaction after CLAIM_IDLE_TIMEOUT_MS
@@ -64,77 +62,15 @@ def suite_database_url() -> str:
     return database_url()
 
 
-def subprocess_env(database_url: str, **extra: str) -> dict[str, str]:
-    env = {
-        **os.environ,
+def outage_env(database_url: str, **extra: str) -> dict[str, str]:
+    """The environment overrides of a worker (and ``manage.py``) on ``database_url``: a
+    30 s lease renewed every 10 s, then ``extra``."""
+    return {
         "DATABASE_URL": database_url,
         "SAGE_LEASE_SECONDS": "30",
         "SAGE_HEARTBEAT_SECONDS": "10",
-        "SAGE_SHUTDOWN_GRACE_SECONDS": "2",
-        "LOG_LEVEL": "INFO",
-        "PYTHONUNBUFFERED": "1",
         **extra,
     }
-    for name in ("SAGE_TEST_DB_NAME", "SAGE_STOP_AT", "SAGE_CRASH_AT"):
-        if name not in extra:
-            env.pop(name, None)
-    return env
-
-
-class WorkerProcess:
-    """``manage.py runworker`` in a subprocess, its output in ``<log_dir>/<name>.log``."""
-
-    def __init__(self, name: str, log_dir: Path, env: dict[str, str], *args: str) -> None:
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "manage.py", "runworker", *args],
-                cwd=ROOT,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def state(self) -> str:
-        """The process state letter from /proc (``T``: stopped), or ``gone``."""
-        try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
-        except OSError:
-            return "gone"
-        return stat.rsplit(")", 1)[1].split()[0]
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log.read_text(errors="replace")
-        except OSError:
-            return ""
-        return f"--- {self.name} log (last {lines} lines) ---\n" + "\n".join(
-            text.splitlines()[-lines:]
-        )
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            self.proc.send_signal(sig)
-
-    def terminate(self, timeout: float = 20) -> int:
-        """SIGCONT + SIGTERM (drain), SIGKILL after ``timeout``; returns the exit status."""
-        if self.alive():
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
 
 
 @pytest.fixture
@@ -143,7 +79,7 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     started: list[WorkerProcess] = []
 
     def start(name: str, env: dict[str, str], *args: str) -> WorkerProcess:
-        worker = WorkerProcess(name, tmp_path, env, *args)
+        worker = WorkerProcess(name, tmp_path, env, args)
         started.append(worker)
         return worker
 
@@ -151,7 +87,7 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
         yield start
     finally:
         for worker in started:
-            worker.terminate()
+            worker.terminate(20)
 
 
 def wait_until(
@@ -169,16 +105,16 @@ def wait_until(
         value = predicate()
         if value:
             return value
-        dead = [w for w in workers if not w.alive()]
+        dead = [w for w in workers if not w.alive]
         expired = time.monotonic() >= deadline
         if dead or expired:
             text = message() if callable(message) else message
             why = (
-                f"worker {dead[0].name} exited with status {dead[0].proc.returncode}"
+                f"worker {dead[0].name} exited with status {dead[0].returncode}"
                 if dead
                 else f"timed out after {timeout:.0f}s"
             )
-            logs = "\n".join(w.tail() for w in workers)
+            logs = "\n".join(f"--- {w.name} log ---\n{w.tail()}" for w in workers)
             raise AssertionError(f"{why} waiting for {text}\n{logs}")
         time.sleep(interval)
 
@@ -247,14 +183,14 @@ def test_a_worker_frozen_inside_its_claim_does_not_stall_the_others(
 
     # B first, so it is warm (imported, connected, claiming) when A freezes; it is
     # stopped meanwhile (while idle: nothing is queued) so that A alone claims run 0.
-    b = spawn("b", subprocess_env(url))
+    b = spawn("b", outage_env(url))
     wait_until(
         lambda: _snapshot(b) is not None, timeout=60, message="worker B to start", workers=(b,)
     )
     b.signal(signal.SIGSTOP)
 
     first = submit(sessions[0], "hello from the frozen claim")
-    a = spawn("a", subprocess_env(url, SAGE_STOP_AT="claim.before_commit"))
+    a = spawn("a", outage_env(url, SAGE_STOP_AT="claim.before_commit"))
     wait_until(
         lambda: a.state() == "T",
         timeout=60,
@@ -296,7 +232,7 @@ def test_a_worker_frozen_inside_its_claim_does_not_stall_the_others(
     _assert_run_histories(batch)
 
     # Only A is left; resumed, it finds its connection ended and claims again.
-    assert b.terminate() == 0, b.tail()
+    assert b.terminate(20) == 0, b.tail()
     a.signal(signal.SIGCONT)
     after = [submit(session, f"after the thaw {i}") for i, session in enumerate(sessions[1:3])]
     wait_until(
@@ -324,7 +260,7 @@ def test_a_worker_frozen_inside_its_claim_does_not_stall_the_others(
         f"ended): {scheduler}\n{a.tail()}"
     )
     assert scheduler["permanent_error"] is None, scheduler
-    assert a.alive()
+    assert a.alive
     _assert_run_histories([*batch, *after])
     run = Run.objects.get(pk=first)
     assert (run.status, run.attempts) == (RunStatus.COMPLETED, 1)
@@ -342,7 +278,8 @@ TOKEN_DELAY_MS = 50  # about 0.8 s of streaming per run
 SEED = """
 import json
 from django.contrib.auth import get_user_model
-from agents import packages, services
+from agents import services
+from agents.services import packages
 from pooling.models import ModelRecord, Protocol
 
 spec = json.loads({spec!r})
@@ -416,8 +353,8 @@ def cluster():
 @pytest.mark.slow
 def test_every_run_completes_when_the_database_restarts_twice_under_load(cluster, spawn):
     url = cluster.url("sage_outage")
-    env = subprocess_env(url)
-    manage(env, "migrate", "--noinput", "-v", "0")
+    env = outage_env(url)
+    manage(worker_env(env), "migrate", "--noinput", "-v", "0")
     spec = {
         "users": USERS,
         "sessions": SESSIONS_PER_USER,
@@ -428,7 +365,7 @@ def test_every_run_completes_when_the_database_restarts_twice_under_load(cluster
             "script": [{"text": " ".join(["steady"] * WORDS)}],
         },
     }
-    out = manage(env, "shell", "-c", SEED.format(spec=json.dumps(spec)))
+    out = manage(worker_env(env), "shell", "-c", SEED.format(spec=json.dumps(spec)))
     run_ids = json.loads(next(x for x in out.splitlines() if x.startswith("RUN_IDS="))[8:])
     total = USERS * SESSIONS_PER_USER * RUNS_PER_SESSION
     assert len(run_ids) == total
@@ -527,5 +464,5 @@ def test_every_run_completes_when_the_database_restarts_twice_under_load(cluster
             f"session {session_id}: runs completed out of submission order"
         )
     assert len(restarts) == 2, f"the database was restarted {len(restarts)} times, not twice"
-    assert worker.alive(), worker.tail()
+    assert worker.alive, worker.tail()
     print(f"\nrestarted at (statuses, seconds down): {restarts}")

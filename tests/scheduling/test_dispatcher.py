@@ -9,6 +9,8 @@ exercised without a model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -49,26 +51,14 @@ def make_runs(users: int, per_user: int) -> dict[str, str]:
     return made
 
 
-class StoreExecutor:
-    """Commits ``writes`` events per run fenced by its lease, then completes it.
+class FakeExecutor:
+    """An executor of ``runs`` (run id → session id) without a model: nothing to start,
+    close or report; ``all_done`` is set once each of them finished (`_finished_one`)."""
 
-    The first ``hold`` executions wait until that many are active at once, which proves
-    the dispatcher filled every slot; ``peak``/``peak_per_user`` record the most seen.
-    """
-
-    def __init__(self, runs: dict[str, str], *, writes: int = 3, hold: int = 0) -> None:
+    def __init__(self, runs: dict[str, str]) -> None:
         self.runs = runs
-        self.writes = writes
-        self.hold = hold
-        self.dispatcher: Dispatcher | None = None
-        self.active: dict[str, int] = {}
-        self.peak = 0
-        self.peak_per_user: dict[str, int] = {}
-        self.full = asyncio.Event()
         self.finished = 0
         self.all_done = asyncio.Event()
-        self.commits_in_flight = 0
-        self.peak_commits = 0
 
     async def start(self) -> None:
         return None
@@ -78,6 +68,31 @@ class StoreExecutor:
 
     def capacity(self) -> dict[str, Any]:
         return {}
+
+    def _finished_one(self) -> None:
+        self.finished += 1
+        if self.finished == len(self.runs):
+            self.all_done.set()
+
+
+class StoreExecutor(FakeExecutor):
+    """Commits ``writes`` events per run fenced by its lease, then completes it.
+
+    The first ``hold`` executions wait until that many are active at once, which proves
+    the dispatcher filled every slot; ``peak``/``peak_per_user`` record the most seen.
+    """
+
+    def __init__(self, runs: dict[str, str], *, writes: int = 3, hold: int = 0) -> None:
+        super().__init__(runs)
+        self.writes = writes
+        self.hold = hold
+        self.dispatcher: Dispatcher | None = None
+        self.active: dict[str, int] = {}
+        self.peak = 0
+        self.peak_per_user: dict[str, int] = {}
+        self.full = asyncio.Event()
+        self.commits_in_flight = 0
+        self.peak_commits = 0
 
     async def execute(self, run_id: Any, fence: Fence, stop: StopSignal, **_: Any) -> Outcome:
         assert self.dispatcher is not None
@@ -108,9 +123,7 @@ class StoreExecutor:
             )
         finally:
             self.active[user] -= 1
-            self.finished += 1
-            if self.finished == len(self.runs):
-                self.all_done.set()
+            self._finished_one()
 
 
 def seqs_by_session(session_ids: list[str]) -> dict[str, list[int]]:
@@ -129,14 +142,24 @@ def runs_8x8(db) -> dict[str, str]:
     return make_runs(8, 8)
 
 
-async def _dispatch(dispatcher: Dispatcher, executor: StoreExecutor) -> None:
+@contextlib.asynccontextmanager
+async def running(dispatcher: Dispatcher) -> AsyncIterator[asyncio.Task[None]]:
+    """The dispatcher's loop runs in a task (yielded) for the block; then it is asked to
+    stop and waited for."""
     stopping = asyncio.Event()
     loop_task = asyncio.create_task(dispatcher.run(stopping))
     try:
-        await asyncio.wait_for(executor.all_done.wait(), BOUND)
+        yield loop_task
     finally:
         stopping.set()
         await asyncio.wait_for(loop_task, BOUND)
+
+
+async def _dispatch(dispatcher: Dispatcher, executor: StoreExecutor) -> None:
+    try:
+        async with running(dispatcher):
+            await asyncio.wait_for(executor.all_done.wait(), BOUND)
+    finally:
         await dispatcher.drain(5.0)
         await dispatcher.scheduler.close()
         await close_default_coordinator()
@@ -191,21 +214,38 @@ def one_run(db) -> dict[str, str]:
     return make_runs(1, 1)
 
 
-def _dispatcher(runs: dict[str, str], executor: StoreExecutor, **kw: Any) -> Dispatcher:
+def _dispatcher(
+    executor: StoreExecutor, scheduler: DatabaseScheduler | None = None, **kw: Any
+) -> Dispatcher:
+    """A dispatcher (worker ``w``, 30 s leases unless ``kw`` says otherwise) of
+    ``scheduler`` (default: a new `DatabaseScheduler`), wired to ``executor``."""
     kw.setdefault("lease_seconds", 30)
-    dispatcher = Dispatcher(DatabaseScheduler(), executor, worker_id="w", **kw)
+    dispatcher = Dispatcher(scheduler or DatabaseScheduler(), executor, worker_id="w", **kw)
     executor.dispatcher = dispatcher
     return dispatcher
 
 
+async def _stopped_mid_run(
+    runs: dict[str, str], change: dict[str, Any], **kw: Any
+) -> tuple[BlockingExecutor, Run]:
+    """Start the one run of ``runs`` on a blocked execution, apply ``change`` to its row,
+    and wait until the execution's supervisor ended it; the executor and the run after."""
+    executor = BlockingExecutor(runs)
+    dispatcher = _dispatcher(executor, **kw)
+    run_id = next(iter(runs))
+    async with running(dispatcher):
+        await asyncio.wait_for(executor.started.wait(), BOUND)
+        await Run.objects.filter(pk=run_id).aupdate(**change)
+        supervisor = dispatcher.executions[run_id].supervisor
+        await asyncio.wait_for(asyncio.shield(supervisor), BOUND)
+    return executor, await Run.objects.aget(pk=run_id)
+
+
 async def test_it_requeues_unfinished_runs_with_worker_shutdown_after_the_grace(one_run):
     executor = BlockingExecutor(one_run)
-    dispatcher = _dispatcher(one_run, executor)
-    stopping = asyncio.Event()
-    loop_task = asyncio.create_task(dispatcher.run(stopping))
-    await asyncio.wait_for(executor.started.wait(), BOUND)
-    stopping.set()
-    await asyncio.wait_for(loop_task, BOUND)
+    dispatcher = _dispatcher(executor)
+    async with running(dispatcher):
+        await asyncio.wait_for(executor.started.wait(), BOUND)
     await asyncio.wait_for(dispatcher.drain(0.05), BOUND)
     run = await Run.objects.aget(pk=next(iter(one_run)))
     assert executor.reasons == ["shutdown"]
@@ -218,36 +258,17 @@ async def test_it_requeues_unfinished_runs_with_worker_shutdown_after_the_grace(
 
 
 async def test_it_cancels_an_execution_whose_run_cancellation_was_requested(one_run):
-    executor = BlockingExecutor(one_run)
-    dispatcher = _dispatcher(one_run, executor, cancel_poll_seconds=0.05)
-    stopping = asyncio.Event()
-    loop_task = asyncio.create_task(dispatcher.run(stopping))
-    await asyncio.wait_for(executor.started.wait(), BOUND)
-    run_id = next(iter(one_run))
-    await Run.objects.filter(pk=run_id).aupdate(cancel_requested=True)
-    supervisor = dispatcher.executions[run_id].supervisor
-    await asyncio.wait_for(asyncio.shield(supervisor), BOUND)
-    stopping.set()
-    await asyncio.wait_for(loop_task, BOUND)
-    run = await Run.objects.aget(pk=run_id)
+    executor, run = await _stopped_mid_run(
+        one_run, {"cancel_requested": True}, cancel_poll_seconds=0.05
+    )
     assert executor.reasons == ["cancelled"]
     assert (run.status, run.error["code"]) == (RunStatus.CANCELLED, "run.cancelled")
 
 
 async def test_it_cancels_an_execution_whose_lease_was_taken_over(one_run):
-    executor = BlockingExecutor(one_run)
-    dispatcher = _dispatcher(one_run, executor, lease_seconds=0.3)
-    stopping = asyncio.Event()
-    loop_task = asyncio.create_task(dispatcher.run(stopping))
-    await asyncio.wait_for(executor.started.wait(), BOUND)
-    run_id = next(iter(one_run))
     # Another worker took the run over: the renewer's conditional update matches nothing.
-    await Run.objects.filter(pk=run_id).aupdate(lease_owner="other", lease_token=10**9)
-    supervisor = dispatcher.executions[run_id].supervisor
-    await asyncio.wait_for(asyncio.shield(supervisor), BOUND)
-    stopping.set()
-    await asyncio.wait_for(loop_task, BOUND)
-    run = await Run.objects.aget(pk=run_id)
+    taken_over = {"lease_owner": "other", "lease_token": 10**9}
+    executor, run = await _stopped_mid_run(one_run, taken_over, lease_seconds=0.3)
     assert executor.reasons == ["lease_lost"]
     assert (run.status, run.lease_owner) == (RunStatus.RUNNING, "other")
 
@@ -278,29 +299,21 @@ async def test_it_keeps_claiming_after_transient_errors(one_run):
 
     executor = BlockingExecutor(one_run)
     scheduler = FlakyScheduler(OperationalError("server closed the connection"), failures=2)
-    dispatcher = Dispatcher(scheduler, executor, worker_id="w")
-    executor.dispatcher = dispatcher
-    stopping = asyncio.Event()
-    loop_task = asyncio.create_task(dispatcher.run(stopping))
-    await asyncio.wait_for(executor.started.wait(), BOUND)
-    assert dispatcher.claim_errors == 2 and dispatcher.permanent_error is None
-    stopping.set()
-    await asyncio.wait_for(loop_task, BOUND)
+    dispatcher = _dispatcher(executor, scheduler)
+    async with running(dispatcher):
+        await asyncio.wait_for(executor.started.wait(), BOUND)
+        assert dispatcher.claim_errors == 2 and dispatcher.permanent_error is None
     await dispatcher.drain(0)
 
 
 async def test_it_stops_claiming_and_reports_a_permanent_error(one_run):
     executor = BlockingExecutor(one_run)
     scheduler = FlakyScheduler(RuntimeError("schema is broken"), failures=1)
-    dispatcher = Dispatcher(scheduler, executor, worker_id="w")
-    executor.dispatcher = dispatcher
-    stopping = asyncio.Event()
-    loop_task = asyncio.create_task(dispatcher.run(stopping))
-    await asyncio.wait_for(scheduler.raised.wait(), BOUND)
-    assert dispatcher.permanent_error == "RuntimeError: schema is broken"
-    assert not loop_task.done()  # the worker lives on and keeps reporting
-    stopping.set()
-    await asyncio.wait_for(loop_task, BOUND)
+    dispatcher = _dispatcher(executor, scheduler)
+    async with running(dispatcher) as loop_task:
+        await asyncio.wait_for(scheduler.raised.wait(), BOUND)
+        assert dispatcher.permanent_error == "RuntimeError: schema is broken"
+        assert not loop_task.done()  # the worker lives on and keeps reporting
     assert not scheduler.claimed.is_set()
 
 

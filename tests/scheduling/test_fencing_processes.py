@@ -13,84 +13,30 @@ final state carries B's token.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from django.utils import timezone
 
-from sageproject.db import database_url
 from scheduling.models import Event, Run, RunStatus, WorkerSnapshot
 from tests.conftest import demo_manifest, scripted_model, words
 from tests.e2e.conftest import wait_for
+from tests.scheduling.processes import worker_processes_fixture
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
-ROOT = Path(__file__).resolve().parents[2]
 WORDS = 30
 TOKEN_DELAY_MS = 60
+# Leases long enough, and renewals rare enough, that only the test ends worker A's lease.
+FENCING_ENV = {"SAGE_LEASE_SECONDS": "60", "SAGE_HEARTBEAT_SECONDS": "20"}
 
-
-class WorkerProcess:
-    def __init__(self, name: str, log_dir: Path) -> None:
-        self.log = log_dir / f"{name}.log"
-        env = {
-            **os.environ,
-            "DATABASE_URL": database_url(),
-            "SAGE_LEASE_SECONDS": "60",
-            "SAGE_HEARTBEAT_SECONDS": "20",
-            "SAGE_SHUTDOWN_GRACE_SECONDS": "2",
-            "LOG_LEVEL": "INFO",
-            "PYTHONUNBUFFERED": "1",
-        }
-        env.pop("SAGE_TEST_DB_NAME", None)
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "manage.py", "runworker"],
-                cwd=ROOT,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-
-    @property
-    def owner_marker(self) -> str:
-        # Worker ids are "host:pid:suffix".
-        return f":{self.proc.pid}:"
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGCONT)
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[dict[str, WorkerProcess]]:
-    started: dict[str, WorkerProcess] = {}
-    yield started
-    for worker in started.values():
-        worker.stop()
+worker_processes = worker_processes_fixture  # real runworker subprocesses
 
 
 @pytest.fixture
 def slow_run(alice) -> Run:
-    from agents import packages, services
+    from agents import services
+    from agents.services import packages
 
     scripted_model("slowfence", {"text": words(WORDS, "word")}, token_delay_ms=TOKEN_DELAY_MS)
     packages.package_create(owner=alice, manifest=demo_manifest(name="slowpkg", model="slowfence"))
@@ -107,9 +53,9 @@ def _event_types(run: Run) -> list[tuple[int, str, str | None]]:
 
 
 def test_it_rejects_every_write_of_a_worker_resumed_after_losing_its_lease(
-    slow_run, workers, tmp_path
+    slow_run, worker_processes
 ):
-    a = workers["a"] = WorkerProcess("a", tmp_path)
+    a = worker_processes.start("a", **FENCING_ENV)
 
     def a_is_mid_run() -> bool:
         run = Run.objects.get(pk=slow_run.pk)
@@ -130,7 +76,7 @@ def test_it_rejects_every_write_of_a_worker_resumed_after_losing_its_lease(
         == 1
     )
 
-    b = workers["b"] = WorkerProcess("b", tmp_path)
+    b = worker_processes.start("b", **FENCING_ENV)
     wait_for(
         lambda: Run.objects.get(pk=slow_run.pk).status == RunStatus.COMPLETED,
         # Generous: if A froze inside a transaction, PostgreSQL ends it after 15 s first.
@@ -151,8 +97,8 @@ def test_it_rejects_every_write_of_a_worker_resumed_after_losing_its_lease(
         return snapshot is not None and str(slow_run.pk) not in snapshot.capacity["runs"]["running"]
 
     wait_for(a_gave_the_run_up, timeout=30, message="worker A to give the run up")
-    a.stop()
-    b.stop()
+    a.terminate(20)
+    b.terminate(20)
 
     run = Run.objects.get(pk=slow_run.pk)
     assert run.status == RunStatus.COMPLETED

@@ -22,7 +22,7 @@ from scheduling.models import Run, RunStatus
 from scheduling.runs import Fence, Outcome
 from scheduling.scheduler import SchedulerQuotaGroup
 from scheduling.store import append_events, close_default_coordinator
-from tests.scheduling.test_dispatcher import make_runs, seqs_by_session
+from tests.scheduling.test_dispatcher import FakeExecutor, make_runs, seqs_by_session
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -39,24 +39,13 @@ def running_per_user() -> dict[int, int]:
     )
 
 
-class SharedExecutor:
+class SharedExecutor(FakeExecutor):
     """Executes for several dispatchers (found by the fence's lease owner)."""
 
     def __init__(self, runs: dict[str, str], seen_full: asyncio.Event) -> None:
-        self.runs = runs
+        super().__init__(runs)
         self.seen_full = seen_full
         self.dispatchers: dict[str, Dispatcher] = {}
-        self.finished = 0
-        self.all_done = asyncio.Event()
-
-    async def start(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-    def capacity(self) -> dict[str, Any]:
-        return {}
 
     async def execute(self, run_id: Any, fence: Fence, stop: StopSignal, **_: Any) -> Outcome:
         run_key = str(run_id)
@@ -70,9 +59,7 @@ class SharedExecutor:
                 )
             return Outcome(status=RunStatus.COMPLETED, session_id=session_id, result={"n": 2})
         finally:
-            self.finished += 1
-            if self.finished == len(self.runs):
-                self.all_done.set()
+            self._finished_one()
 
 
 @pytest.fixture

@@ -385,7 +385,7 @@ def test_a_job_event_without_the_runs_lease_is_refused_while_it_runs(alice, make
 async def test_a_stale_workers_job_event_is_rejected(alice, make_session):
     from asgiref.sync import sync_to_async
 
-    from agents.jobs.glue import append_job_event
+    from agents.jobs.records import append_job_event
     from scheduling import dispatcher
 
     session = await sync_to_async(make_session)(alice)

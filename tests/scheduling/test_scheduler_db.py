@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -30,12 +30,17 @@ from scheduling.runs import Fence
 from scheduling.scheduler import (
     FenceRejected,
     LeaseReleaseReason,
-    Scheduler,
     SchedulerClaimPolicy,
     SchedulerQuotaGroup,
     WorkItem,
 )
-from tests.scheduling.scheduler_contract import LEASE, SchedulerContract, spin, within
+from tests.scheduling.scheduler_contract import (
+    LEASE,
+    SchedulerContract,
+    claim_storm,
+    make_scheduler_fixture,
+    within,
+)
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -70,6 +75,20 @@ class Rows:
         if key not in self.runs:
             self._pool.submit(self._create, key, tenant, fields).result()
         return self.runs[key]
+
+    def leased(
+        self, key: str, tenant: str, *, owner: str, token: int, expires_at: datetime, **fields: Any
+    ) -> str:
+        """The id of a running run row under ``owner``'s lease ``token`` (see `run`)."""
+        return self.run(
+            key,
+            tenant,
+            status=RunStatus.RUNNING,
+            lease_owner=owner,
+            lease_token=token,
+            lease_expires_at=expires_at,
+            **fields,
+        )
 
     def _create(self, key: str, tenant: str, fields: dict[str, Any]) -> None:
         try:
@@ -112,18 +131,7 @@ def work_maker(rows: Rows) -> Callable[..., WorkItem]:
     return make
 
 
-@pytest.fixture
-async def make_scheduler() -> AsyncIterator[Callable[..., DatabaseScheduler]]:
-    made: list[DatabaseScheduler] = []
-
-    def make(**kwargs: Any) -> DatabaseScheduler:
-        scheduler = DatabaseScheduler(**kwargs)
-        made.append(scheduler)
-        return scheduler
-
-    yield make
-    for scheduler in made:
-        await within(scheduler.close())
+make_scheduler = make_scheduler_fixture(DatabaseScheduler)
 
 
 ONE_ROW_PER_RUN = "a Run row is one work item: two items of one run cannot be queued"
@@ -131,6 +139,12 @@ DURABLE = "rows outlive a closed scheduler: its leases return to the queue and s
 
 
 class TestDatabaseScheduler(SchedulerContract):
+    capabilities = {
+        "durable_across_process_restart": True,
+        "supports_distributed_claims": True,
+        "supports_atomic_tenant_quota": True,
+    }
+
     @pytest.fixture
     def make_work(self, rows: Rows) -> Callable[..., WorkItem]:
         return work_maker(rows)
@@ -156,7 +170,9 @@ class TestDatabaseScheduler(SchedulerContract):
     ):
         scheduler = make_scheduler()
         policy = SchedulerClaimPolicy(max_active_per_tenant=2)
-        _total, peak = await _storm([scheduler], make_work, 30, workers=12, policy=policy)
+        _total, peak = await claim_storm(
+            [scheduler], make_work, total=30, workers=12, policy=policy, bound=30
+        )
         assert max(peak.values()) <= 2
 
     async def test_it_never_exceeds_group_quotas_under_a_claim_storm(
@@ -164,47 +180,8 @@ class TestDatabaseScheduler(SchedulerContract):
     ):
         group = SchedulerQuotaGroup(4, 2, 1000)
         members = [make_scheduler(quota_group=group) for _ in range(2)]
-        peak_total, peak = await _storm(members, make_work, 60, workers=16)
+        peak_total, peak = await claim_storm(members, make_work, total=60, workers=16, bound=30)
         assert peak_total <= 4 and max(peak.values()) <= 2
-
-
-async def _storm(
-    members: list[DatabaseScheduler],
-    make_work: Callable[..., WorkItem],
-    total: int,
-    *,
-    workers: int,
-    policy: SchedulerClaimPolicy | None = None,
-) -> tuple[int, dict[str, int]]:
-    tenants = ["alice", "bob", "carol"]
-    for i in range(total):
-        await members[i % len(members)].submit(make_work(f"w{i}", tenant_id=tenants[i % 3]))
-    active: dict[str, int] = {}
-    peak: dict[str, int] = {}
-    peak_total = 0
-    done = 0
-
-    async def worker(member: DatabaseScheduler, name: str) -> None:
-        nonlocal done, peak_total
-        while done < total:
-            lease = await member.claim(name, lease_duration=LEASE, policy=policy, wait_timeout=0.05)
-            if lease is None:
-                continue
-            tenant = lease.work.tenant_id
-            active[tenant] = active.get(tenant, 0) + 1
-            peak[tenant] = max(peak.get(tenant, 0), active[tenant])
-            peak_total = max(peak_total, sum(active.values()))
-            await spin(3)
-            active[tenant] -= 1
-            done += 1
-            await member.release(lease, LeaseReleaseReason.COMPLETED)
-
-    await within(
-        asyncio.gather(*(worker(members[i % len(members)], f"w-{i}") for i in range(workers))),
-        30,
-    )
-    assert done == total
-    return peak_total, peak
 
 
 # ---------------------------------------------------------------------- database only
@@ -212,18 +189,6 @@ async def _storm(
 
 async def _claim(scheduler: DatabaseScheduler, worker: str = "w", **kw: Any):
     return await scheduler.claim(worker, lease_duration=LEASE, wait_timeout=0, **kw)
-
-
-def test_it_implements_the_scheduler_protocol():
-    assert isinstance(DatabaseScheduler(), Scheduler)
-
-
-def test_it_reports_durable_distributed_capabilities():
-    caps = DatabaseScheduler(max_pending_items=5).capabilities()
-    assert caps.durable_across_process_restart is True
-    assert caps.supports_distributed_claims is True
-    assert caps.supports_atomic_tenant_quota is True
-    assert caps.max_pending_items == 5
 
 
 def test_it_is_reexported_lazily_by_the_scheduler_module():
@@ -291,14 +256,7 @@ def test_a_claim_that_looks_first_takes_no_lock_when_nothing_is_queued():
 async def test_it_counts_the_quota_from_running_root_runs_in_the_database(rows: Rows):
     # Another worker's running runs count: alice already has two.
     for key in ("x1", "x2"):
-        rows.run(
-            key,
-            "alice",
-            status=RunStatus.RUNNING,
-            lease_owner="other",
-            lease_token=1,
-            lease_expires_at=timezone.now() + LEASE,
-        )
+        rows.leased(key, "alice", owner="other", token=1, expires_at=timezone.now() + LEASE)
     rows.run("a3", "alice", status=RunStatus.QUEUED)
     rows.run("b1", "bob", status=RunStatus.QUEUED)
     scheduler = DatabaseScheduler(quota_group=SchedulerQuotaGroup(8, 2, 100))
@@ -308,14 +266,7 @@ async def test_it_counts_the_quota_from_running_root_runs_in_the_database(rows: 
 
 
 async def test_it_does_not_count_child_runs_against_the_quota(rows: Rows):
-    parent = rows.run(
-        "p",
-        "alice",
-        status=RunStatus.RUNNING,
-        lease_owner="w",
-        lease_token=1,
-        lease_expires_at=timezone.now() + LEASE,
-    )
+    parent = rows.leased("p", "alice", owner="w", token=1, expires_at=timezone.now() + LEASE)
     child = rows.run("c", "alice", status=RunStatus.QUEUED, parent_id=parent)
     scheduler = DatabaseScheduler(quota_group=SchedulerQuotaGroup(1, 1, 100))
     lease = await _claim(scheduler)
@@ -358,27 +309,9 @@ async def test_it_ends_a_queued_run_whose_cancellation_was_requested(rows: Rows)
 async def test_it_fails_runs_whose_crash_budget_is_used_up_with_event_and_archive(rows: Rows):
     dead = timezone.now() - timedelta(seconds=1)
     # Many claims (suspensions, graceful restarts) but two crashes so far: the third ends it.
-    rows.run(
-        "a",
-        "alice",
-        status=RunStatus.RUNNING,
-        lease_owner="dead",
-        lease_token=1,
-        attempts=7,
-        crashes=2,
-        lease_expires_at=dead,
-    )
+    rows.leased("a", "alice", owner="dead", token=1, expires_at=dead, attempts=7, crashes=2)
     # Seven claims, no crash yet: requeued.
-    rows.run(
-        "b",
-        "bob",
-        status=RunStatus.RUNNING,
-        lease_owner="dead",
-        lease_token=2,
-        attempts=7,
-        crashes=0,
-        lease_expires_at=dead,
-    )
+    rows.leased("b", "bob", owner="dead", token=2, expires_at=dead, attempts=7, crashes=0)
     scheduler = DatabaseScheduler(max_attempts=3)
     assert await scheduler.reap_expired() == 2
     a = await Run.objects.aget(pk=rows.runs["a"])
@@ -396,15 +329,14 @@ async def test_it_fails_runs_whose_crash_budget_is_used_up_with_event_and_archiv
 
 
 async def test_it_finishes_a_dead_run_whose_cancel_was_requested(rows: Rows):
-    run_id = rows.run(
+    run_id = rows.leased(
         "a",
         "alice",
-        status=RunStatus.RUNNING,
-        lease_owner="dead",
-        lease_token=1,
+        owner="dead",
+        token=1,
+        expires_at=timezone.now() - timedelta(seconds=1),
         cancel_requested=True,
         stop_request="cancel",
-        lease_expires_at=timezone.now() - timedelta(seconds=1),
     )
     assert await DatabaseScheduler().reap_expired() == 1
     run = await Run.objects.aget(pk=run_id)

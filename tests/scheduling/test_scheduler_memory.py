@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
 from datetime import datetime
-from typing import Any
 
 import pytest
 
@@ -14,7 +12,6 @@ from scheduling.scheduler import (
     ClaimCandidate,
     InMemoryScheduler,
     LeaseReleaseReason,
-    Scheduler,
     SchedulerClaimPolicy,
     SchedulerQuotaGroup,
     WorkItem,
@@ -28,27 +25,21 @@ from tests.scheduling.scheduler_contract import (
     ManualClock,
     SchedulerContract,
     default_work,
+    make_scheduler_fixture,
+    mid_write,
     spin,
     within,
 )
 
-
-@pytest.fixture
-async def make_scheduler() -> AsyncIterator[Callable[..., InMemoryScheduler]]:
-    made: list[InMemoryScheduler] = []
-
-    def make(**kwargs: Any) -> InMemoryScheduler:
-        scheduler = InMemoryScheduler(**kwargs)
-        made.append(scheduler)
-        return scheduler
-
-    yield make
-    for scheduler in made:
-        await within(scheduler.close())
+make_scheduler = make_scheduler_fixture(InMemoryScheduler)
 
 
 class TestInMemoryScheduler(SchedulerContract, FencedExecutionContract):
-    pass
+    capabilities = {
+        "durable_across_process_restart": False,
+        "supports_atomic_tenant_quota": True,
+        "supports_atomic_fenced_mutations": True,
+    }
 
 
 # ---------------------------------------------------------------------- construction
@@ -82,18 +73,6 @@ def test_it_rejects_a_priority_out_of_range():
 def test_it_rejects_a_naive_available_at():
     with pytest.raises(ValueError):
         default_work("w1", available_at=datetime(2026, 1, 1))
-
-
-def test_it_reports_in_memory_capabilities():
-    caps = InMemoryScheduler(max_pending_items=7).capabilities()
-    assert caps.durable_across_process_restart is False
-    assert caps.supports_atomic_tenant_quota is True
-    assert caps.supports_atomic_fenced_mutations is True
-    assert caps.max_pending_items == 7
-
-
-def test_it_implements_the_scheduler_protocol():
-    assert isinstance(InMemoryScheduler(), Scheduler)
 
 
 # ---------------------------------------------------------------------- fair_order
@@ -193,14 +172,7 @@ async def test_it_releases_group_capacity_even_if_close_is_cancelled():
     chat = InMemoryScheduler(quota_group=group)
     await chat.submit(default_work("c1"))
     lease = await chat.claim("w", lease_duration=LEASE, wait_timeout=0)
-    gate, entered = asyncio.Event(), asyncio.Event()
-
-    async def op() -> None:
-        entered.set()
-        await gate.wait()
-
-    write = asyncio.create_task(chat.execute_fenced(lease, op))
-    await within(entered.wait())
+    write, gate = await mid_write(chat, lease)
     close = asyncio.create_task(chat.close())
     await spin()
     close.cancel()
@@ -217,14 +189,7 @@ async def test_it_does_not_spin_a_waiting_claim_on_an_expired_pinned_lease():
     scheduler = InMemoryScheduler(clock=clock)
     await scheduler.submit(default_work("w1"))
     lease = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
-    gate, entered = asyncio.Event(), asyncio.Event()
-
-    async def op() -> None:
-        entered.set()
-        await gate.wait()
-
-    write = asyncio.create_task(scheduler.execute_fenced(lease, op))
-    await within(entered.wait())
+    write, gate = await mid_write(scheduler, lease)
     clock.advance(31)
     assert await scheduler.reap_expired() == 0
     # The expired-but-pinned lease is parked, so it is no reason to wake a claimer.

@@ -39,6 +39,14 @@ storage = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
 # -- helpers --------------------------------------------------------------------------
 
+# The lease of a seeded session's running run.
+LEASE_OWNER, LEASE_TOKEN = "worker-a", 7
+
+
+def seeded_fence(run: Run, token: int = LEASE_TOKEN) -> Fence:
+    """The fence of a seeded run's lease (or, with another ``token``, a stale one)."""
+    return Fence(run_id=run.id, lease_owner=LEASE_OWNER, lease_token=token)
+
 
 def _seed_session(owner: Any, events: int, *, run: bool = False) -> tuple[Session, Run | None]:
     session = Session.objects.create(
@@ -54,8 +62,8 @@ def _seed_session(owner: Any, events: int, *, run: bool = False) -> tuple[Sessio
             session=session,
             owner=owner,
             status=RunStatus.RUNNING,
-            lease_owner="worker-a",
-            lease_token=7,
+            lease_owner=LEASE_OWNER,
+            lease_token=LEASE_TOKEN,
             lease_expires_at=datetime.now(UTC) + timedelta(minutes=5),
         )
     now = datetime.now(UTC)
@@ -70,6 +78,12 @@ def _seed_session(owner: Any, events: int, *, run: bool = False) -> tuple[Sessio
 
 
 seed_session = sync_to_async(_seed_session)
+
+
+async def seed_leased(owner: Any, events: int = 0) -> tuple[Session, Run, Fence]:
+    """A seeded session of ``events`` events with a running run, and its lease's fence."""
+    session, run = await seed_session(owner, events, run=True)
+    return session, run, seeded_fence(run)
 
 
 @sync_to_async
@@ -281,7 +295,7 @@ async def test_it_keeps_the_persisted_counter_when_the_transaction_fails(alice, 
 @pytest.mark.django_db(transaction=True)
 async def test_it_restores_the_history_when_the_fence_rejects_a_commit(alice, coordinator):
     session, run = await seed_session(alice, 3, run=True)
-    stale = Fence(run_id=run.id, lease_owner="worker-a", lease_token=6)
+    stale = seeded_fence(run, token=LEASE_TOKEN - 1)
     await coordinator.history(session.id)
 
     with pytest.raises(SageError) as raised:
@@ -311,8 +325,8 @@ async def test_it_rejects_only_the_stale_commit_in_a_group_commit(alice, coordin
     seeded = [await seed_session(alice, 2, run=True) for _ in range(3)]
     for session, _ in seeded:
         await coordinator.history(session.id)
-    fences = [Fence(run_id=run.id, lease_owner="worker-a", lease_token=7) for _, run in seeded]
-    fences[1] = Fence(run_id=seeded[1][1].id, lease_owner="worker-a", lease_token=3)
+    fences = [seeded_fence(run) for _, run in seeded]
+    fences[1] = seeded_fence(seeded[1][1], token=3)
     before = coordinator.snapshot()
 
     async with WriterGate(coordinator, seeded[0][0].id) as gate:
@@ -489,8 +503,7 @@ async def test_it_keeps_each_session_on_the_same_writer(alice):
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
 async def test_it_commits_with_the_runs_current_fence(alice, coordinator):
-    session, run = await seed_session(alice, 0, run=True)
-    fence = Fence(run_id=run.id, lease_owner="worker-a", lease_token=7)
+    session, run, fence = await seed_leased(alice)
     result = await coordinator.commit(session.id, run_id=run.id, drafts=[("m", {})], fence=fence)
     assert result.seqs == (1,)
     assert coordinator.snapshot()["commits"] == 1
@@ -499,8 +512,7 @@ async def test_it_commits_with_the_runs_current_fence(alice, coordinator):
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
 async def test_it_applies_a_transition_in_the_commits_transaction(alice, coordinator):
-    session, run = await seed_session(alice, 0, run=True)
-    fence = Fence(run_id=run.id, lease_owner="worker-a", lease_token=7)
+    session, run, fence = await seed_leased(alice)
 
     def fails(using: str) -> None:
         raise RuntimeError("the transition failed")
@@ -519,8 +531,7 @@ async def test_it_applies_a_transition_in_the_commits_transaction(alice, coordin
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
 async def test_it_appends_through_append_events(alice):
-    session, run = await seed_session(alice, 2, run=True)
-    fence = Fence(run_id=run.id, lease_owner="worker-a", lease_token=7)
+    session, run, fence = await seed_leased(alice, 2)
     try:
         seqs = await append_events(
             session_id=session.id,
@@ -575,8 +586,7 @@ async def test_it_rereads_a_history_another_process_moved_on_when_asked_for_fres
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
 async def test_a_fresh_read_keeps_a_current_cache_and_drops_a_rewritten_one(alice, coordinator):
-    session, run = await seed_session(alice, 0, run=True)
-    fence = Fence(run_id=run.id, lease_owner="worker-a", lease_token=7)
+    session, run, fence = await seed_leased(alice)
     await coordinator.commit(session.id, run_id=run.id, drafts=[("a", {}), ("b", {})], fence=fence)
     cached = (await coordinator.history(session.id))[0]
     # Unchanged in the database: the cached events are served (no reload).

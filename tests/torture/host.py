@@ -9,8 +9,6 @@ runs it admits); the web process lives as long as the host.
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -20,8 +18,9 @@ from typing import Any
 
 import httpx
 
+from scheduling.children import Child
 from tests.pgcluster import free_port
-from tests.scheduling.processes import ROOT, worker_env
+from tests.scheduling.processes import worker_env
 
 STARTUP_TIMEOUT = 90.0  # two shared cores, a Django start-up per process
 RUN_TIMEOUT = 60.0
@@ -39,41 +38,6 @@ HOST_ENV = {
     "SAGE_MAX_CONCURRENT_MODEL_CALLS": "8",
     "SAGE_AUTO_RELEASE_IDLE_SECONDS": "0",
 }
-
-
-class Child:
-    """One subprocess in its own process group; stdout and stderr go to ``log``."""
-
-    def __init__(self, name: str, argv: list[str], env: Mapping[str, str], log: Path) -> None:
-        self.name = name
-        self.log = log
-        with log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                argv,
-                cwd=ROOT,
-                env=dict(env),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def stop(self, grace: float = 20.0) -> int:
-        """SIGTERM (a graceful stop), SIGKILL at the deadline; returns the exit status."""
-        if self.alive:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
 
 
 class LiveHost:

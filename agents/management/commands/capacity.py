@@ -17,17 +17,7 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        workers = [
-            {
-                "worker_id": s.worker_id,
-                "host": s.host,
-                "pid": s.pid,
-                "started_at": s.started_at,
-                "heartbeat_at": s.heartbeat_at,
-                "capacity": s.capacity,
-            }
-            for s in WorkerSnapshot.objects.filter(stopped_at__isnull=True)[:20]
-        ]
+        workers = [snapshot.summary() for snapshot in WorkerSnapshot.objects.live()]
         if options["json"]:
             emit_json(self, {"workers": workers})
             return

@@ -129,6 +129,7 @@ from django.db import connections
 from django.test.utils import override_settings
 
 from sageproject.db import database_url as _database_url
+from scheduling.children import Child
 
 ROOT = Path(settings.BASE_DIR)
 PEERS = ("procrastinate", "celery", "django-tasks-db")
@@ -172,6 +173,24 @@ def distribution(seconds: list[float], prefix: str = "") -> dict[str, float]:
 
 def ratio_key(peer: str) -> str:
     return "ratio_to_" + peer.replace("-", "_")
+
+
+def peer_line(peer: str, **outcome: Any) -> dict[str, Any]:
+    """A peer's line: ``path: peer``, its name, then ``outcome`` (``skipped`` or ``error``
+    and why, when it could not be measured)."""
+    return {"path": "peer", "peer": peer, **outcome}
+
+
+def host_line(path: str, context: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """The host's line of a run-start path (``throughput``, ``latency``): its figures,
+    timed from ``Run.started_at``, and the path's targets."""
+    return {
+        "path": path,
+        **context,
+        **measured,
+        "start": "Run.started_at (the claim, database clock)",
+        **TARGETS[path],
+    }
 
 
 # ----------------------------------------------------------------------------- database
@@ -227,51 +246,17 @@ def tidy_tables() -> None:
 # ----------------------------------------------------------------------------- processes
 
 
-class Child:
-    """One subprocess in its own session, output to a log file; `stop` ends it by its pid."""
+def start_child(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Child:
+    """Start ``argv`` as `Child` ``name``, its output in ``<log_dir>/<name>.log``."""
+    return Child(name, argv, env, log_dir / f"{name}.log")
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                argv,
-                cwd=ROOT,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def check(self) -> None:
-        if not self.alive():
-            raise CommandError(
-                f"{self.name} exited with status {self.proc.returncode}; its log ends:\n"
-                f"{self.tail()}"
-            )
-
-    def stop(self, grace: float = 20.0) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def check_running(child: Child) -> None:
+    """Raise `CommandError`, with the end of its log, once ``child`` has exited."""
+    if not child.alive:
+        raise CommandError(
+            f"{child.name} exited with status {child.returncode}; its log ends:\n{child.tail()}"
+        )
 
 
 def child_env(db_url: str, concurrency: int, **extra: str) -> dict[str, str]:
@@ -299,7 +284,7 @@ def wait_until(
     deadline = time.monotonic() + timeout
     while not ready():
         for child in children:
-            child.check()
+            check_running(child)
         if time.monotonic() > deadline:
             tails = "".join(f"\n--- {c.name} ---\n{c.tail()}" for c in children)
             raise CommandError(f"timed out after {timeout:.0f} s waiting for {what}{tails}")
@@ -542,8 +527,8 @@ class HostTarget(Target):
 
 def bench_owners(count: int, prefix: str) -> list[tuple[Any, Any]]:
     """Throwaway users ``bench-<hex>-<prefix><i>``, each with the ``demo`` package."""
-    from agents import packages
     from agents.management.commands.seed_demo import DEMO_MANIFEST
+    from agents.services import packages
     from scheduling.management.commands.bench_persist import bench_users
 
     users = bench_users(f"{prefix}{i}" for i in range(count))
@@ -893,7 +878,7 @@ class CeleryPeer(RedisStartsTarget):
             "--without-mingle",
             "--loglevel=WARNING",
         ]
-        self.children.append(Child("celery-worker", argv, dict(os.environ), self.log_dir))
+        self.children.append(start_child("celery-worker", argv, dict(os.environ), self.log_dir))
         return {
             "version": importlib.metadata.version("celery"),
             "broker": self.options["redis_url"],
@@ -954,7 +939,9 @@ class ProcrastinatePeer(RedisStartsTarget):
             "--queues=bench-e2e",
             f"--concurrency={concurrency}",
         ]
-        self.children.append(Child("procrastinate-worker", argv, dict(os.environ), self.log_dir))
+        self.children.append(
+            start_child("procrastinate-worker", argv, dict(os.environ), self.log_dir)
+        )
         return {
             "version": importlib.metadata.version("procrastinate"),
             "schema": self.schema,
@@ -1011,7 +998,7 @@ class DjangoTasksDbPeer(RedisStartsTarget):
                 "--worker-id",
                 f"bench-e2e-{self.tag}-{index}",
             ]
-            self.children.append(Child(f"db-worker-{index}", argv, env, self.log_dir))
+            self.children.append(start_child(f"db-worker-{index}", argv, env, self.log_dir))
         return {
             "version": importlib.metadata.version("django-tasks-db"),
             "database": connections["default"].settings_dict["NAME"],
@@ -1047,16 +1034,16 @@ PEER_MODULES = {
 def peer_driver(name: str, options: dict[str, Any]) -> dict[str, Any]:
     """Measure one peer in this (driver) process: its line (``skipped`` or ``error`` when
     it could not be measured)."""
-    line: dict[str, Any] = {"path": "peer", "peer": name}
     if find_spec(PEER_MODULES[name]) is None:
-        return {**line, "skipped": f"{PEER_MODULES[name]} is not installed ({INSTALL_HINT})"}
+        return peer_line(name, skipped=f"{PEER_MODULES[name]} is not installed ({INSTALL_HINT})")
     try:
         import redis
 
         redis.Redis.from_url(options["redis_url"], socket_timeout=2).ping()
     except Exception as exc:
-        return {**line, "skipped": f"Redis at {options['redis_url']} unreachable: {exc}"}
+        return peer_line(name, skipped=f"Redis at {options['redis_url']} unreachable: {exc}")
     timeout = options["timeout"]
+    line = peer_line(name)
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as logs:
         peer = PEER_CLASSES[name](options, Path(logs))
         try:
@@ -1208,11 +1195,9 @@ class Command(BaseCommand):
             peer_lines: dict[str, dict[str, Any]] = {}
             for peer in peers:
                 if vendor != "postgresql":
-                    line = {
-                        "path": "peer",
-                        "peer": peer,
-                        "skipped": f"peers run on PostgreSQL only (this is {vendor})",
-                    }
+                    line = peer_line(
+                        peer, skipped=f"peers run on PostgreSQL only (this is {vendor})"
+                    )
                 else:
                     line = self._run_peer(peer, options)
                 peer_lines[peer] = line
@@ -1254,11 +1239,9 @@ class Command(BaseCommand):
             db_url = database_url()
             if peer == "django-tasks-db":
                 if find_spec("django_tasks_db") is None:
-                    return {
-                        "path": "peer",
-                        "peer": peer,
-                        "skipped": f"django_tasks_db is not installed ({INSTALL_HINT})",
-                    }
+                    return peer_line(
+                        peer, skipped=f"django_tasks_db is not installed ({INSTALL_HINT})"
+                    )
                 base = connections["default"].settings_dict["NAME"]
                 sibling = f"{base[:36]}_bench_dtdb_{uuid.uuid4().hex[:8]}"
                 self._create_database(sibling)
@@ -1278,11 +1261,7 @@ class Command(BaseCommand):
                     timeout=options["timeout"],
                 )
                 if migrate.returncode != 0:
-                    return {
-                        "path": "peer",
-                        "peer": peer,
-                        "error": f"migrate failed: {migrate.stderr.strip()[-800:]}",
-                    }
+                    return peer_line(peer, error=f"migrate failed: {migrate.stderr.strip()[-800:]}")
             driver = subprocess.Popen(
                 [
                     sys.executable,
@@ -1312,15 +1291,13 @@ class Command(BaseCommand):
             try:
                 out, _ = driver.communicate(timeout=options["timeout"] * 4)
             except subprocess.TimeoutExpired:
-                return {"path": "peer", "peer": peer, "error": "the driver timed out"}
+                return peer_line(peer, error="the driver timed out")
             for text in reversed(out.splitlines()):
                 if text.startswith("{"):
                     return orjson.loads(text)
-            return {
-                "path": "peer",
-                "peer": peer,
-                "error": f"the driver exited with status {driver.returncode} (see stderr)",
-            }
+            return peer_line(
+                peer, error=f"the driver exited with status {driver.returncode} (see stderr)"
+            )
 
     def _create_database(self, name: str) -> None:
         connection = connections["default"]
@@ -1367,7 +1344,7 @@ class Command(BaseCommand):
 
             progress("starting the worker")
             env = child_env(database_url(), concurrency)
-            worker = Child(
+            worker = start_child(
                 "worker", [sys.executable, str(ROOT / "manage.py"), "runworker"], env, logs
             )
             stack.callback(self._stop_worker, worker)
@@ -1375,32 +1352,20 @@ class Command(BaseCommand):
             wait_until("the worker to start", lambda: self._worker_up(worker), 60, [worker])
             progress("warm-up")
             warm_up(host, 2 * concurrency, timeout)
-            figures = {"concurrency": concurrency, "users": len(owners)}
+            context = {**common, "concurrency": concurrency, "users": len(owners)}
 
             tidy_tables()
             progress(f"throughput: {options['n']} runs")
-            line = {
-                "path": "throughput",
-                **common,
-                **figures,
-                **measure_throughput(host, options["n"], options["submit_threads"], timeout),
-                "start": "Run.started_at (the claim, database clock)",
-                **TARGETS["throughput"],
-            }
+            measured = measure_throughput(host, options["n"], options["submit_threads"], timeout)
+            line = host_line("throughput", context, measured)
             for peer, theirs in peers.items():
                 line[ratio_key(peer)] = round(line["started_per_s"] / theirs["started_per_s"], 3)
             self._emit(line)
 
             tidy_tables()
             progress(f"latency: {options['latency_n']} runs at {options['rate']}/s")
-            line = {
-                "path": "latency",
-                **common,
-                **figures,
-                **measure_latency(host, options["latency_n"], options["rate"], timeout),
-                "start": "Run.started_at (the claim, database clock)",
-                **TARGETS["latency"],
-            }
+            measured = measure_latency(host, options["latency_n"], options["rate"], timeout)
+            line = host_line("latency", context, measured)
             for peer, theirs in peers.items():
                 line[ratio_key(peer)] = {
                     q: round(line[f"{q}_ms"] / theirs[f"latency_{q}_ms"], 3)
@@ -1447,7 +1412,7 @@ class Command(BaseCommand):
         tidy_tables()
         progress(f"http_admission: {clients} clients for {options['http_seconds']} s")
         line = asyncio.run(http_admission(base, plan, options["http_seconds"]))
-        server.check()
+        check_running(server)
         progress("waiting for the worker to drain the admitted runs")
         began = time.perf_counter()
         user_ids = [user.pk for user, _ in owners]
@@ -1483,8 +1448,8 @@ class Command(BaseCommand):
     def _live_model(self, options: dict[str, Any], user: Any, logs: Path) -> HostTarget:
         """The ``bench-live`` model (benchpeers.model_server) and a package whose agent uses
         it, for ``user``; both go with the user. Returns a target whose sessions use it."""
-        from agents import packages
         from agents.management.commands.seed_demo import DEMO_MANIFEST
+        from agents.services import packages
         from pooling.models import ModelRecord, Protocol
 
         port = free_port()
@@ -1499,7 +1464,7 @@ class Command(BaseCommand):
             "--gap-ms",
             str(options["sse_token_gap_ms"]),
         ]
-        server = Child("model-server", argv, child_env(database_url(), 1), logs)
+        server = start_child("model-server", argv, child_env(database_url(), 1), logs)
         self._stack.callback(server.stop)
 
         def up() -> bool:
@@ -1551,7 +1516,7 @@ class Command(BaseCommand):
             "warning",
         ]
         progress(f"starting the web server ({options['web_workers']} workers)")
-        server = Child("web", argv, env, logs)
+        server = start_child("web", argv, env, logs)
         stack.callback(server.stop)
         base = f"http://127.0.0.1:{port}"
 

@@ -44,6 +44,7 @@ import random
 import statistics
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -54,6 +55,7 @@ from django.db import connections, transaction
 from sageproject.db import db_call
 from scheduling.db_scheduler import DatabaseScheduler
 from scheduling.management.commands.bench_persist import (
+    add_backend_argument,
     bench_users,
     delete_users,
     queue_runs,
@@ -80,26 +82,46 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def simulate(
-    *,
-    order: str,
-    slots: int,
-    per_user: int,
-    big: int,
-    small: int,
-    run_ms: float,
-    jitter: float,
-    settle: float,
-    seed: int,
-) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """One scenario: claim ``order`` over ``slots`` workers with a ``per_user`` limit; A's
+    ``big`` runs, then ``settle`` run durations later B-E's ``small`` runs each; each run
+    lasts ``run_ms`` ± ``jitter`` (drawn from a generator seeded with ``seed``)."""
+
+    order: str
+    slots: int
+    per_user: int
+    big: int
+    small: int
+    run_ms: float
+    jitter: float
+    settle: float
+    seed: int
+
+    @property
+    def total(self) -> int:
+        return self.big + self.small * len(SMALL_USERS)
+
+    def policy(self) -> SchedulerClaimPolicy:
+        return SchedulerClaimPolicy(max_active_per_tenant=self.per_user, order=self.order)
+
+    def run_seconds(self, rng: random.Random) -> float:
+        """One run's simulated duration."""
+        return self.run_ms * (1 + rng.uniform(-self.jitter, self.jitter)) / 1000
+
+    def settle_seconds(self) -> float:
+        return self.settle * self.run_ms / 1000
+
+
+async def simulate(scenario: Scenario) -> dict[str, Any]:
     """One scenario; returns its JSON figures."""
-    rng = random.Random(seed)
-    scheduler = InMemoryScheduler(max_pending_items=big + small * len(SMALL_USERS) + 1)
-    policy = SchedulerClaimPolicy(max_active_per_tenant=per_user, order=order)
+    rng = random.Random(scenario.seed)
+    scheduler = InMemoryScheduler(max_pending_items=scenario.total + 1)
+    policy = scenario.policy()
     clock = time.perf_counter
     submitted: dict[str, float] = {}
     waits: dict[str, list[float]] = {}
-    total = big + small * len(SMALL_USERS)
+    total = scenario.total
     done = asyncio.Event()
     finished = 0
 
@@ -117,52 +139,32 @@ async def simulate(
                 continue
             user = lease.work.tenant_id or ""
             waits.setdefault(user, []).append(clock() - submitted[lease.work.work_id])
-            duration = run_ms * (1 + rng.uniform(-jitter, jitter)) / 1000
-            await asyncio.sleep(duration)
+            await asyncio.sleep(scenario.run_seconds(rng))
             await scheduler.release(lease, LeaseReleaseReason.COMPLETED)
             finished += 1
             if finished == total:
                 done.set()
 
-    await submit("A", big)
-    workers = [asyncio.create_task(worker(f"slot-{i}")) for i in range(slots)]
-    await asyncio.sleep(settle * run_ms / 1000)
+    await submit("A", scenario.big)
+    workers = [asyncio.create_task(worker(f"slot-{i}")) for i in range(scenario.slots)]
+    await asyncio.sleep(scenario.settle_seconds())
     for user in SMALL_USERS:
-        await submit(user, small)
+        await submit(user, scenario.small)
     await done.wait()
     await scheduler.close()
     for task in workers:
         task.cancel()
     await asyncio.gather(*workers, return_exceptions=True)
 
-    return summarize(
-        path=f"{order}_{slots}x{per_user}",
-        backend="memory",
-        waits=waits,
-        order=order,
-        slots=slots,
-        per_user=per_user,
-        big=big,
-        small=small,
-        run_ms=run_ms,
-        jitter=jitter,
-    )
+    return summarize(scenario, path="", backend="memory", waits=waits)
 
 
 def summarize(
-    *,
-    path: str,
-    backend: str,
-    waits: dict[str, list[float]],
-    order: str,
-    slots: int,
-    per_user: int,
-    big: int,
-    small: int,
-    run_ms: float,
-    jitter: float,
+    scenario: Scenario, *, path: str, backend: str, waits: dict[str, list[float]]
 ) -> dict[str, Any]:
-    """A scenario's JSON line from every user's queue waits (seconds)."""
+    """A scenario's JSON line from every user's queue waits (seconds); its path is
+    ``path`` (a prefix) then ``<order>_<slots>x<per_user>``."""
+    run_ms = scenario.run_ms
     figures = {}
     for user in USERS:
         values = waits[user]
@@ -176,38 +178,27 @@ def summarize(
         }
     small_p99 = max(figures[u]["p99_ms"] for u in SMALL_USERS)
     return {
-        "path": path,
+        "path": f"{path}{scenario.order}_{scenario.slots}x{scenario.per_user}",
         "backend": backend,
-        "order": order,
-        "slots": slots,
-        "per_user_limit": per_user,
+        "order": scenario.order,
+        "slots": scenario.slots,
+        "per_user_limit": scenario.per_user,
         "run_ms": run_ms,
-        "jitter": jitter,
-        "big_user_runs": big,
-        "small_user_runs": small,
+        "jitter": scenario.jitter,
+        "big_user_runs": scenario.big,
+        "small_user_runs": scenario.small,
         "users": figures,
         "small_p99_ms": small_p99,
         "small_p99_runs": round(small_p99 / run_ms, 2),
     }
 
 
-async def simulate_db(
-    *,
-    owners: dict[str, Any],
-    order: str,
-    slots: int,
-    per_user: int,
-    big: int,
-    small: int,
-    run_ms: float,
-    jitter: float,
-    settle: float,
-    seed: int,
-) -> dict[str, Any]:
+async def simulate_db(scenario: Scenario, owners: dict[str, Any]) -> dict[str, Any]:
     """One scenario on the configured database; returns its JSON figures."""
-    rng = random.Random(seed)
-    scheduler = DatabaseScheduler(max_pending_items=big + small * len(SMALL_USERS) + 1)
-    policy = SchedulerClaimPolicy(max_active_per_tenant=per_user, order=order)
+    rng = random.Random(scenario.seed)
+    scheduler = DatabaseScheduler(max_pending_items=scenario.total + 1)
+    policy = scenario.policy()
+    slots = scenario.slots
     worker_id = f"bench-fairness-{uuid.uuid4().hex[:6]}"
     clock = time.perf_counter
     user_of = {str(owner.pk): name for name, owner in owners.items()}
@@ -215,7 +206,7 @@ async def simulate_db(
     waits: dict[str, list[float]] = {}
     claim_times: list[float] = []
     release_times: list[float] = []
-    total = big + small * len(SMALL_USERS)
+    total = scenario.total
     active: dict[str, asyncio.Task[None]] = {}
     slot_freed = asyncio.Event()
     stamped = asyncio.Event()
@@ -239,7 +230,7 @@ async def simulate_db(
     async def execute(lease: WorkerLease) -> None:
         nonlocal finished
         try:
-            await asyncio.sleep(run_ms * (1 + rng.uniform(-jitter, jitter)) / 1000)
+            await asyncio.sleep(scenario.run_seconds(rng))
             started = clock()
             await scheduler.release(lease, LeaseReleaseReason.COMPLETED)
             release_times.append(clock() - started)
@@ -278,11 +269,11 @@ async def simulate_db(
                 waits.setdefault(user, []).append(claimed - submitted[lease.run_id])
                 active[lease.run_id] = asyncio.create_task(execute(lease))
 
-    await submit([("A", big)])
+    await submit([("A", scenario.big)])
     loop_task = asyncio.create_task(claim_loop())
     try:
-        await asyncio.sleep(settle * run_ms / 1000)
-        await submit([(user, small) for user in SMALL_USERS])
+        await asyncio.sleep(scenario.settle_seconds())
+        await submit([(user, scenario.small) for user in SMALL_USERS])
         await loop_task
         await asyncio.gather(*active.values())
     finally:
@@ -295,23 +286,24 @@ async def simulate_db(
         lambda: Run.objects.filter(pk__in=list(submitted), status=RunStatus.COMPLETED).count()
     )
     assert completed == total, f"{total - completed} run(s) did not complete"
-    line = summarize(
-        path=f"db_{order}_{slots}x{per_user}",
-        backend="database",
-        waits=waits,
-        order=order,
-        slots=slots,
-        per_user=per_user,
-        big=big,
-        small=small,
-        run_ms=run_ms,
-        jitter=jitter,
-    )
+    line = summarize(scenario, path="db_", backend="database", waits=waits)
     line["database"] = connections["default"].vendor
     line["claims"] = len(claim_times)
     line["median_claim_ms"] = round(statistics.median(claim_times) * 1000, 2)
     line["median_release_ms"] = round(statistics.median(release_times) * 1000, 2)
     return line
+
+
+def scenarios(options: dict[str, Any], *, big: int, run_ms: float) -> list[Scenario]:
+    """The four scenarios of one backend: orders fair and oldest, each with a per-user
+    limit of the slots and of min(2, slots)."""
+    slots = options["slots"]
+    shared = {key: options[key] for key in ("slots", "small", "jitter", "settle", "seed")}
+    return [
+        Scenario(order=order, per_user=per_user, big=big, run_ms=run_ms, **shared)
+        for per_user in (slots, min(2, slots))
+        for order in ("fair", "oldest")
+    ]
 
 
 class Command(BaseCommand):
@@ -338,12 +330,7 @@ class Command(BaseCommand):
         parser.add_argument("--jitter", type=float, default=0.25)
         parser.add_argument("--settle", type=float, default=3.0)
         parser.add_argument("--seed", type=int, default=7)
-        parser.add_argument(
-            "--backend",
-            choices=("memory", "database", "both"),
-            default="both",
-            help="memory: InMemoryScheduler; database: DatabaseScheduler; both (default)",
-        )
+        add_backend_argument(parser, memory="InMemoryScheduler", database="DatabaseScheduler")
 
     def handle(self, *args: Any, **options: Any) -> None:
         slots = options["slots"]
@@ -359,38 +346,17 @@ class Command(BaseCommand):
         if not 0 <= options["jitter"] < 1:
             raise CommandError("jitter must be in [0, 1)")
         backend = options["backend"]
-        scenario = {key: options[key] for key in ("slots", "small", "jitter", "settle", "seed")}
-        limits = [
-            (per_user, order) for per_user in (slots, min(2, slots)) for order in ("fair", "oldest")
-        ]
         if backend in ("memory", "both"):
-            for per_user, order in limits:
-                line = asyncio.run(
-                    simulate(
-                        order=order,
-                        per_user=per_user,
-                        big=options["big"],
-                        run_ms=options["run_ms"],
-                        **scenario,
-                    )
-                )
-                self._emit(line)
+            for scenario in scenarios(options, big=options["big"], run_ms=options["run_ms"]):
+                self._emit(asyncio.run(simulate(scenario)))
         if backend in ("database", "both"):
             require_scratch_queue()
             owners = bench_users(USERS)
             try:
-                for per_user, order in limits:
-                    line = asyncio.run(
-                        simulate_db(
-                            owners=owners,
-                            order=order,
-                            per_user=per_user,
-                            big=options["db_big"],
-                            run_ms=options["db_run_ms"],
-                            **scenario,
-                        )
-                    )
-                    self._emit(line)
+                for scenario in scenarios(
+                    options, big=options["db_big"], run_ms=options["db_run_ms"]
+                ):
+                    self._emit(asyncio.run(simulate_db(scenario, owners)))
             finally:
                 delete_users(owners.values())
 

@@ -17,8 +17,8 @@ It creates its own throwaway user (``bench-<hex>``), sessions and runs and delet
 the end. Because its claims take any queued run, it refuses to start while the database
 holds queued or running runs: run it against a scratch database.
 
-The row helpers here (users, one run per session, the scratch-queue check, clean-up) are
-shared by ``bench_single_host`` and ``bench_fairness``.
+The row helpers here (users, one run per session, the scratch-queue check, clean-up) and
+the ``--backend`` option are shared by ``bench_single_host`` and ``bench_fairness``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,17 @@ LEASE = timedelta(hours=1)
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def add_backend_argument(parser: Any, *, memory: str, database: str) -> None:
+    """``--backend memory|database|both`` (default both) of the benchmarks with an
+    in-memory and a database path; ``memory`` and ``database`` say what each runs."""
+    parser.add_argument(
+        "--backend",
+        choices=("memory", "database", "both"),
+        default="both",
+        help=f"memory: {memory}; database: {database}; both (default)",
+    )
 
 
 # ------------------------------------------------------------------ rows (shared helpers)

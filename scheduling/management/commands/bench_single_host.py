@@ -60,6 +60,7 @@ from scheduling import runs
 from scheduling.db_scheduler import DatabaseScheduler, lease_fence
 from scheduling.management.commands.bench_persist import (
     PAYLOAD,
+    add_backend_argument,
     bench_users,
     delete_users,
     queue_runs,
@@ -335,12 +336,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--users", type=int, default=8, help="owners of the database path's runs"
         )
-        parser.add_argument(
-            "--backend",
-            choices=("memory", "database", "both"),
-            default="both",
-            help="memory: the two in-memory lines; database: db_per_run; both (default)",
-        )
+        add_backend_argument(parser, memory="the two in-memory lines", database="db_per_run")
 
     def handle(self, *args: Any, **options: Any) -> None:
         sessions, writes, io_ms = options["sessions"], options["writes"], options["io_ms"]
