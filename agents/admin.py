@@ -16,14 +16,14 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 
-from agents import packages
 from agents.models import (
     AgentPackage,
     ManagedAgentRecord,
     ReadinessReport,
     ReclamationRequest,
 )
-from agents.reclamations import reclamation_create
+from agents.services import packages
+from agents.services.reclamations import reclamation_create
 from sageproject.errors import SageError
 
 

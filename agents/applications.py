@@ -24,7 +24,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from sageproject.errors import RateLimitedError, SageError, UnavailableError
+from django.db.models import Q
+
+from agents.flows import models_to_initialise, reachable_agents, reachable_nodes
+from agents.models import AgentPackage
+from agents.services.packages import package_manifest
+from agents.tools import ToolRegistry
+from pooling.models import ModelRecord
+from sageproject.errors import NotFoundError, RateLimitedError, SageError, UnavailableError
+from scheduling.models import UNFINISHED_STATUSES, Run
 
 logger = logging.getLogger("sage.management")
 
@@ -57,7 +65,7 @@ class PreparedAgent:
     instructions: str
     tools: tuple[Any, ...]
     max_steps: int
-    # ``agents.execution.ModelRecordView`` (decrypted once, in a thread).
+    # ``ModelRecordView`` below (decrypted once, in a thread).
     record: Any
 
 
@@ -115,7 +123,7 @@ class AgentManagementService:
     """Resident Applications of one worker process.
 
     ``builder`` prepares an Application (default: from the database, see
-    ``agents.execution.build_application``); ``probe`` counts a key's unfinished runs;
+    ``build_application_sync``); ``probe`` counts a key's unfinished runs;
     ``archiver`` archives a key's unarchived terminal runs. All three are coroutines so
     tests can count, block and fail them.
     """
@@ -499,3 +507,115 @@ class AgentManagementService:
             self._closed = True
         finally:
             self._closing = False
+
+
+# --- building an Application from the database (sync, run in threads) --------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelRecordView:
+    """What the model pool needs of a record, decrypted once in a thread."""
+
+    id: int
+    protocol: str
+    base_url: str
+    model: str
+    api_key: str = field(repr=False)
+    options: dict[str, Any]
+    # The record's ``updated_at``: a changed record (a rotated key) is re-read
+    # (see ``RunExecutor._current_agents``).
+    stamp: Any = None
+
+
+def find_model_record(owner_id: int, name: str) -> ModelRecord:
+    """The record a run of ``owner_id`` uses for ``name``: the owner's own, else the
+    shared one; raises ``server.model_not_configured``."""
+    record = ModelRecord.objects.for_run(owner_id, name)
+    if record is None:
+        raise NotFoundError("server.model_not_configured", f"no model record named {name!r}")
+    return record
+
+
+def record_view(record: ModelRecord) -> ModelRecordView:
+    return ModelRecordView(
+        id=record.pk,
+        protocol=record.protocol,
+        base_url=record.base_url,
+        model=record.model or record.name,
+        api_key=record.api_key,
+        options=dict(record.options or {}),
+        stamp=record.updated_at,
+    )
+
+
+def build_application_sync(key: ApplicationKey, tools: ToolRegistry) -> Application:
+    """Prepare the Application of ``key`` from the database.
+
+    Only the selected agent (or, for a flow, the flow's reachable agents) and its reachable
+    members get a model record view. Raises ``package.not_found``,
+    ``package.agent_not_found`` or ``server.model_not_configured``.
+    """
+    package = AgentPackage.objects.filter(ref=key.ref, owner_id=key.owner_id).first()
+    if package is None:
+        raise NotFoundError("package.not_found", "the session's package version is gone")
+    manifest = package_manifest(package)
+    flows = manifest.flows
+    flow_id = key.agent_id if key.agent_id in flows else None
+    if flow_id is not None:
+        names = reachable_agents(manifest.data["agents"], reachable_nodes(flows, flow_id), None)
+    else:
+        names = models_to_initialise(manifest, key.agent_id)
+    agents: dict[str, PreparedAgent] = {}
+    for agent_id in names:
+        definition = manifest.agent(agent_id)
+        record = find_model_record(key.owner_id, definition["model"])
+        agents[agent_id] = PreparedAgent(
+            agent_id=agent_id,
+            instructions=manifest.instructions(agent_id),
+            tools=tuple(
+                tool for name in definition["tools"] if (tool := tools.get(name)) is not None
+            ),
+            max_steps=int(definition["max_steps"]),
+            record=record_view(record),
+        )
+    return Application(
+        key=key,
+        package_name=package.name,
+        manifest=manifest,
+        agents=agents,
+        flow=flow_id,
+        flows=flows,
+    )
+
+
+def fresh_records_sync(views: dict[str, ModelRecordView]) -> dict[str, ModelRecordView]:
+    """Views of the records that changed since ``views`` were taken (by agent id)."""
+    ids = {view.id for view in views.values()}
+    stamps = dict(ModelRecord.objects.filter(pk__in=ids).values_list("pk", "updated_at"))
+    changed = {view.id for view in views.values() if stamps.get(view.id) != view.stamp}
+    if not changed:
+        return {}
+    fresh = {
+        record.pk: record_view(record) for record in ModelRecord.objects.filter(pk__in=changed)
+    }
+    return {agent_id: fresh[view.id] for agent_id, view in views.items() if view.id in fresh}
+
+
+def key_runs(key: ApplicationKey) -> Q:
+    """Runs of a key: its sessions' runs and the child runs of those."""
+    session = Q(
+        session__owner_id=key.owner_id,
+        session__package_ref=key.ref,
+        session__agent_id=key.agent_id,
+    )
+    parent = Q(
+        parent__session__owner_id=key.owner_id,
+        parent__session__package_ref=key.ref,
+        parent__session__agent_id=key.agent_id,
+    )
+    return session | parent
+
+
+def unfinished_runs_sync(key: ApplicationKey) -> int:
+    """Queued, running or suspended runs (child runs included) of ``key``'s sessions."""
+    return Run.objects.filter(key_runs(key), status__in=UNFINISHED_STATUSES).count()

@@ -10,7 +10,7 @@ class AgentsConfig(AppConfig):
     def ready(self) -> None:
         # A run's terminal transition (scheduling.runs) writes its archive row in the same
         # transaction; the archive belongs to this app, so it registers the writer.
-        from agents.services import archive_records
+        from agents.archives import archive_records
         from scheduling import runs
 
         runs.set_archiver(archive_records)

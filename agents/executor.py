@@ -1,13 +1,13 @@
-"""Executing one claimed run: take its Application, run the loop or flow, persist, archive.
+"""Executing one claimed run: take its Application, run the agent loop or flow, commit
+its events, and return its ``Outcome`` — the executor never writes a run's status (the
+dispatcher commits the outcome through ``scheduling.runs``).
 
-The worker (scheduling) finds this module by name (``settings.SAGE_RUN_EXECUTOR``) so
-that scheduling never imports agents. Everything that touches the ORM runs in threads.
-
-A run executes through the worker's ``AgentManagementService``: the package is parsed,
-its instructions resolved and its model records decrypted once per resident Application
-(``build_application``), not once per run. The executor also answers operator
-``ReclamationRequest`` rows and, at start-up, archives terminal runs a crash left
-unarchived.
+The worker receives a ``RunExecutor`` when it is composed (``agents`` management command
+``runworker``). A run executes through the worker's ``AgentManagementService``
+(``agents.applications``): the package is parsed, its instructions resolved and its model
+records decrypted once per resident Application, not once per run. The executor also
+answers operator reclamation requests and, at start-up, archives terminal runs a crash
+left unarchived. Everything that touches the ORM runs in threads (``db_call``).
 """
 
 from __future__ import annotations
@@ -24,11 +24,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from django.conf import settings
-from django.db.models import F, Q
-from django.utils import timezone
 
+from agents.applications import (
+    AgentManagementService,
+    Application,
+    ModelRecordView,
+    PreparedAgent,
+    build_application_sync,
+    fresh_records_sync,
+    unfinished_runs_sync,
+)
+from agents.archives import archive_unarchived_sync, sweep_unarchived_sync
 from agents.code_tools import CodeToolsRuntime
 from agents.engine import (
     INTERRUPTED_TOOL_ERROR,
@@ -41,39 +48,24 @@ from agents.engine import (
     run_turn,
     unanswered_tool_calls,
 )
-from agents.flows import models_to_initialise, reachable_agents, reachable_nodes, run_flow
-from agents.jobs.glue import JobEventRecorder, build_job_runtime, poll_cancel_requests
+from agents.flows import run_flow
+from agents.jobs.reconcile import poll_cancel_requests
+from agents.jobs.records import JobEventRecorder
+from agents.jobs.runtime import build_job_runtime
 from agents.jobs.tools import JOB_TOOLS
-from agents.models import AgentPackage, ReclamationRequest, ReclamationStatus
-from agents.packages import package_manifest
-from agents.service import (
-    ARCHIVE_BATCH,
-    AgentManagementService,
-    Application,
-    ApplicationKey,
-    PreparedAgent,
-)
+from agents.services import reclamations
 from agents.tools import ToolContext, ToolRegistry, build_registry
 from pooling import providers
 from pooling.budget import ModelConcurrencyBudget
 from pooling.clients import ModelClientPool
-from pooling.models import ModelRecord
 from pooling.providers import load_adapter
 from pooling.providers.base import ModelRequest, TextDelta, ToolCallDelta
-from sageproject.db import db_call
+from sageproject.db import db_call, retry_transient
 from sageproject.errors import ErrorCategory, NotFoundError, SageError
-from scheduling import live, runs
-from scheduling.dispatcher import StopSignal, retry_transient
+from scheduling import live
+from scheduling.dispatcher import StopSignal
 from scheduling.leases import FenceRejected
-from scheduling.models import (
-    TERMINAL_STATUSES,
-    UNFINISHED_STATUSES,
-    Event,
-    Run,
-    RunStatus,
-    run_cancelled_error,
-    run_interrupted_error,
-)
+from scheduling.models import Run, RunStatus, run_cancelled_error, run_interrupted_error
 from scheduling.runs import Fence, Outcome, Start
 from scheduling.store import append_events, get_default_coordinator
 
@@ -87,21 +79,6 @@ RECLAMATION_POLL_SECONDS = 2.0
 # Resident Applications' unfinished-run counts (for the capacity page) are refreshed every
 # this many capacity refreshes (one per second).
 UNFINISHED_REFRESH_EVERY = 5
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelRecordView:
-    """What the model pool needs of a record, decrypted once in a thread."""
-
-    id: int
-    protocol: str
-    base_url: str
-    model: str
-    api_key: str = field(repr=False)
-    options: dict[str, Any]
-    # The record's ``updated_at``: a changed record (a rotated key) is re-read
-    # (see ``RunExecutor._current_agents``).
-    stamp: Any = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,6 +106,20 @@ def _user_input(value: Any) -> str:
     return value if isinstance(value, str) else str((value or {}).get("text", ""))
 
 
+# What `_prepared_from_claim` reads of a run (a claim returns at least these).
+CLAIMED_FIELDS = (
+    "pk",
+    "session_id",
+    "owner_id",
+    "input",
+    "interaction",
+    "session__package_ref",
+    "session__package_name",
+    "session__agent_id",
+    "session__kind",
+)
+
+
 def _prepared_from_claim(row: dict[str, Any]) -> PreparedRun:
     return PreparedRun(
         run_id=row["pk"],
@@ -140,32 +131,6 @@ def _prepared_from_claim(row: dict[str, Any]) -> PreparedRun:
         user_input=_user_input(row["input"]),
         session_kind=row["session__kind"],
         resolution=(row["interaction"] or {}).get("resolution"),
-    )
-
-
-def find_model_record(owner_id: int, name: str) -> ModelRecord:
-    """The owner's record of that name, else the shared one."""
-    record = (
-        ModelRecord.objects.filter(Q(owner_id=owner_id) | Q(owner__isnull=True), name=name)
-        # The owner's own record before the shared one (NULL sorts first on SQLite and
-        # MySQL, last on PostgreSQL: say where).
-        .order_by(F("owner_id").asc(nulls_last=True))
-        .first()
-    )
-    if record is None:
-        raise NotFoundError("server.model_not_configured", f"no model record named {name!r}")
-    return record
-
-
-def record_view(record: ModelRecord) -> ModelRecordView:
-    return ModelRecordView(
-        id=record.pk,
-        protocol=record.protocol,
-        base_url=record.base_url,
-        model=record.model or record.name,
-        api_key=record.api_key,
-        options=dict(record.options or {}),
-        stamp=record.updated_at,
     )
 
 
@@ -182,172 +147,6 @@ SUSPENDING_CODES = frozenset(
         "upstream.rate_limited",
     }
 )
-
-
-# --- Applications: build, probe, archive (sync, run in threads) --------------------------
-
-
-def build_application_sync(key: ApplicationKey, tools: ToolRegistry) -> Application:
-    """Prepare the Application of ``key`` from the database.
-
-    Only the selected agent (or, for a flow, the flow's reachable agents) and its reachable
-    members get a model record view. Raises ``package.not_found``,
-    ``package.agent_not_found`` or ``server.model_not_configured``.
-    """
-    package = AgentPackage.objects.filter(ref=key.ref, owner_id=key.owner_id).first()
-    if package is None:
-        raise NotFoundError("package.not_found", "the session's package version is gone")
-    manifest = package_manifest(package)
-    flows = manifest.flows
-    flow_id = key.agent_id if key.agent_id in flows else None
-    if flow_id is not None:
-        names = reachable_agents(manifest.data["agents"], reachable_nodes(flows, flow_id), None)
-    else:
-        names = models_to_initialise(manifest, key.agent_id)
-    agents: dict[str, PreparedAgent] = {}
-    for agent_id in names:
-        definition = manifest.agent(agent_id)
-        record = find_model_record(key.owner_id, definition["model"])
-        agents[agent_id] = PreparedAgent(
-            agent_id=agent_id,
-            instructions=manifest.instructions(agent_id),
-            tools=tuple(
-                tool for name in definition["tools"] if (tool := tools.get(name)) is not None
-            ),
-            max_steps=int(definition["max_steps"]),
-            record=record_view(record),
-        )
-    return Application(
-        key=key,
-        package_name=package.name,
-        manifest=manifest,
-        agents=agents,
-        flow=flow_id,
-        flows=flows,
-    )
-
-
-def fresh_records_sync(views: dict[str, ModelRecordView]) -> dict[str, ModelRecordView]:
-    """Views of the records that changed since ``views`` were taken (by agent id)."""
-    ids = {view.id for view in views.values()}
-    stamps = dict(ModelRecord.objects.filter(pk__in=ids).values_list("pk", "updated_at"))
-    changed = {view.id for view in views.values() if stamps.get(view.id) != view.stamp}
-    if not changed:
-        return {}
-    fresh = {
-        record.pk: record_view(record) for record in ModelRecord.objects.filter(pk__in=changed)
-    }
-    return {agent_id: fresh[view.id] for agent_id, view in views.items() if view.id in fresh}
-
-
-def _key_runs(key: ApplicationKey) -> Q:
-    """Runs of a key: its sessions' runs and the child runs of those."""
-    session = Q(
-        session__owner_id=key.owner_id,
-        session__package_ref=key.ref,
-        session__agent_id=key.agent_id,
-    )
-    parent = Q(
-        parent__session__owner_id=key.owner_id,
-        parent__session__package_ref=key.ref,
-        parent__session__agent_id=key.agent_id,
-    )
-    return session | parent
-
-
-def unfinished_runs_sync(key: ApplicationKey) -> int:
-    """Queued, running or suspended runs (child runs included) of ``key``'s sessions."""
-    return Run.objects.filter(_key_runs(key), status__in=UNFINISHED_STATUSES).count()
-
-
-def flow_outputs_from_events(run_id: Any) -> dict[str, Any] | None:
-    """The top-level ``flow.completed`` outputs of a run, read from its last events."""
-    rows = (
-        Event.objects.filter(run_id=run_id, type="flow.completed")
-        .order_by("-seq")
-        .values_list("data", flat=True)[:32]
-    )
-    for data in rows:
-        payload = orjson.loads(data)
-        if payload.get("path") == "" and "outputs" in payload:
-            return payload["outputs"]
-    return None
-
-
-def _archive_batch(query, batch: int) -> int:
-    run_ids = list(
-        Run.objects.filter(query, status__in=TERMINAL_STATUSES, archive__isnull=True)
-        .order_by("created_at")
-        .values_list("pk", flat=True)[:batch]
-    )
-    runs.archive(run_ids, flow_outputs={pk: flow_outputs_from_events(pk) for pk in run_ids})
-    return len(run_ids)
-
-
-def archive_unarchived_sync(key: ApplicationKey, batch: int = ARCHIVE_BATCH) -> int:
-    """Archive up to ``batch`` unarchived terminal runs of ``key``; returns how many."""
-    return _archive_batch(_key_runs(key), batch)
-
-
-def sweep_unarchived_sync(batch: int = ARCHIVE_BATCH) -> int:
-    """Archive every unarchived terminal run (a crash between finish and archive), in
-    batches of ``batch``; returns how many were archived."""
-    total = 0
-    while True:
-        count = _archive_batch(Q(), batch)
-        total += count
-        if count < batch:
-            return total
-
-
-# --- reclamation requests (sync) -----------------------------------------------------------
-
-
-def claim_reclamations_sync(worker: str, limit: int = 10) -> list[dict[str, Any]]:
-    """Take pending operator requests (a conditional update, so two workers never both
-    execute one); returns their parameters."""
-    claimed = []
-    pending = ReclamationRequest.objects.filter(
-        status=ReclamationStatus.PENDING, outcome__isnull=True
-    ).order_by("created_at")[:limit]
-    for request in pending:
-        taken = ReclamationRequest.objects.filter(
-            pk=request.pk, status=ReclamationStatus.PENDING, outcome__isnull=True
-        ).update(outcome={"worker": worker, "state": "executing"})
-        if taken:
-            claimed.append(
-                {
-                    "id": request.pk,
-                    "scope": request.scope,
-                    "refs": list(request.refs or []),
-                    "min_idle_seconds": request.min_idle_seconds,
-                    "limit": request.limit,
-                }
-            )
-    return claimed
-
-
-def answer_reclamation_sync(request_id: int, status: str, outcome: dict[str, Any]) -> None:
-    ReclamationRequest.objects.filter(pk=request_id).update(
-        status=status, outcome=outcome, finished_at=timezone.now()
-    )
-
-
-def reclamation_outcome(result: dict[str, Any], worker: str) -> tuple[str, dict[str, Any]]:
-    """(status, outcome) of a ``release_idle`` result: done when anything was released,
-    else refused with the reasons."""
-    released = result["released"]
-    if released:
-        message = f"released {released} Application{'s' if released != 1 else ''}"
-        status = ReclamationStatus.DONE
-    else:
-        reasons = [f"{r['application']}: {r['reason']}" for r in result["refused"]]
-        reasons += [f"{r['application']}: {r['reason']}" for r in result["failed"]]
-        message = "refused: " + (
-            "; ".join(reasons) if reasons else "no resident Application matched"
-        )
-        status = ReclamationStatus.REFUSED
-    return status, {**result, "message": message, "worker": worker}
 
 
 class _RunEvents:
@@ -600,22 +399,8 @@ class RunExecutor:
                 logger.warning("reclamation requests: %s", exc)
 
     async def process_reclamations(self) -> int:
-        """Execute pending ``ReclamationRequest`` rows; returns how many were answered."""
-        claimed = await db_call(claim_reclamations_sync, self.worker_tag)
-        for request in claimed:
-            selected = request["scope"] == ReclamationRequest.Scope.SELECTED
-            try:
-                result = await self.service.release_idle(
-                    min_idle_seconds=request["min_idle_seconds"],
-                    limit=self.service.max_applications if selected else request["limit"],
-                    refs=request["refs"] if selected else None,
-                )
-                status, outcome = reclamation_outcome(result, self.worker_tag)
-            except (ValueError, SageError) as exc:
-                status = ReclamationStatus.REFUSED
-                outcome = {"released": 0, "message": f"refused: {exc}", "worker": self.worker_tag}
-            await db_call(answer_reclamation_sync, request["id"], status, outcome)
-        return len(claimed)
+        """Answer pending operator reclamation requests; returns how many were answered."""
+        return await reclamations.answer_pending(self.service, self.worker_tag)
 
     async def _stop_jobs(self, run_id: Any) -> None:
         """A cancelled run's background jobs follow it (their pause behaviour decides)."""
@@ -677,20 +462,8 @@ class RunExecutor:
         )
 
     def _prepare_sync(self, run_id: Any) -> PreparedRun:
-        run = Run.objects.select_related("session").get(pk=run_id)
-        session = run.session
-        user_input = _user_input(run.input)
-        return PreparedRun(
-            run_id=run.pk,
-            session_id=session.pk,
-            owner_id=run.owner_id,
-            package_ref=session.package_ref,
-            package_name=session.package_name,
-            agent_id=session.agent_id,
-            user_input=user_input,
-            session_kind=session.kind,
-            resolution=(run.interaction or {}).get("resolution"),
-        )
+        """The run's fields as a claim reads them, for a run given without them."""
+        return _prepared_from_claim(Run.objects.values(*CLAIMED_FIELDS).get(pk=run_id))
 
     async def _current_agents(self, app: Application) -> dict[str, PreparedAgent]:
         """The Application's agents with model records re-read where they changed: a

@@ -20,7 +20,7 @@ import copy
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -263,6 +263,21 @@ def _str_list(value: object, where: str, problems: _Problems, what: str) -> list
     return out
 
 
+def _objects(
+    value: Mapping[Any, Any], where: str, kind: str, id_label: str, problems: _Problems
+) -> Iterator[tuple[str, str, Mapping[str, Any]]]:
+    """Yield ``(id, field, spec)`` for each entry of ``value`` with a valid id and an object
+    as its spec; report every other entry (a bad id, or a ``kind`` that is not an object)."""
+    for entry_id, spec in value.items():
+        entry_field = f"{where}.{entry_id}"
+        if not _check_id(entry_id, entry_field, problems, id_label):
+            continue
+        if not isinstance(spec, Mapping):
+            problems.add(entry_field, f"{kind} must be an object")
+            continue
+        yield entry_id, entry_field, spec
+
+
 def _load(data: dict[str, Any] | str | bytes, yaml_ok: bool) -> Any:
     if isinstance(data, bytes | bytearray):
         try:
@@ -418,13 +433,7 @@ def _normalize_agents(
         problems.add("agents", "agents is required: an object with at least one agent")
         return {}
     agents: dict[str, dict[str, Any]] = {}
-    for agent_id, spec in value.items():
-        where = f"agents.{agent_id}"
-        if not _check_id(agent_id, where, problems, "an agent id"):
-            continue
-        if not isinstance(spec, Mapping):
-            problems.add(where, "agent must be an object")
-            continue
+    for agent_id, where, spec in _objects(value, "agents", "agent", "an agent id", problems):
         _check_keys(spec, _AGENT_KEYS, where, problems)
         model = spec.get("model")
         if not isinstance(model, str) or not model.strip():
@@ -487,13 +496,7 @@ def _normalize_flows(
         return {}
     flow_ids = {fid for fid in value if isinstance(fid, str)}
     flows: dict[str, dict[str, Any]] = {}
-    for flow_id, spec in value.items():
-        where = f"flows.{flow_id}"
-        if not _check_id(flow_id, where, problems, "a flow id"):
-            continue
-        if not isinstance(spec, Mapping):
-            problems.add(where, "flow must be an object")
-            continue
+    for flow_id, where, spec in _objects(value, "flows", "flow", "a flow id", problems):
         _check_keys(spec, _FLOW_KEYS, where, problems)
         nodes = _normalize_nodes(spec.get("nodes"), where, agents, flow_ids, problems)
         start = spec.get("start")
@@ -518,13 +521,8 @@ def _normalize_nodes(
         problems.add(f"{where}.nodes", "nodes is required: an object with at least one node")
         return {}
     nodes: dict[str, dict[str, Any]] = {}
-    for node_id, spec in value.items():
-        node_field = f"{where}.nodes.{node_id}"
-        if not _check_id(node_id, node_field, problems, "a node id"):
-            continue
-        if not isinstance(spec, Mapping):
-            problems.add(node_field, "node must be an object")
-            continue
+    entries = _objects(value, f"{where}.nodes", "node", "a node id", problems)
+    for node_id, node_field, spec in entries:
         node_type = spec.get("type")
         if node_type not in NODE_TYPES:
             problems.add(f"{node_field}.type", f"type must be one of {', '.join(NODE_TYPES)}")

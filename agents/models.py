@@ -5,9 +5,13 @@ import uuid
 from django.conf import settings
 from django.db import models
 
+from scheduling.models import OwnedQuerySet
+
 
 class AgentPackage(models.Model):
     """An immutable package version; ``ref`` is the content hash of its manifest and files."""
+
+    objects = OwnedQuerySet.as_manager()
 
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="agent_packages"
@@ -52,6 +56,8 @@ class ReadinessReport(models.Model):
 
 class ManagedAgentRecord(models.Model):
     """The terminal archive of a run: readable with no worker, model client or Application."""
+
+    objects = OwnedQuerySet.as_manager()
 
     run = models.OneToOneField("scheduling.Run", on_delete=models.CASCADE, related_name="archive")
     owner = models.ForeignKey(

@@ -3,8 +3,7 @@ from __future__ import annotations
 from django.urls import path
 from rest_framework.routers import DefaultRouter
 
-from agents import api as agents_api
-from agents import api_packages
+from agents.api import archives, capacity, packages, reclamations, runs, sessions
 from agents.jobs.api import RunJobsView
 from pooling import api as pooling_api
 
@@ -13,15 +12,15 @@ router = DefaultRouter()
 # take the suffix's `format` argument (each such URL answered 500).
 router.include_format_suffixes = False
 router.register("model-records", pooling_api.ModelRecordViewSet, basename="modelrecord")
-router.register("packages", api_packages.PackageViewSet, basename="package")
-router.register("sessions", agents_api.SessionViewSet, basename="session")
-router.register("runs", agents_api.RunViewSet, basename="run")
-router.register("archives", agents_api.ArchiveViewSet, basename="archive")
-router.register("reclamations", api_packages.ReclamationViewSet, basename="reclamation")
+router.register("packages", packages.PackageViewSet, basename="package")
+router.register("sessions", sessions.SessionViewSet, basename="session")
+router.register("runs", runs.RunViewSet, basename="run")
+router.register("archives", archives.ArchiveViewSet, basename="archive")
+router.register("reclamations", reclamations.ReclamationViewSet, basename="reclamation")
 
 urlpatterns = [
-    path("capacity", agents_api.CapacityView.as_view(), name="capacity"),
-    path("capacity/", agents_api.CapacityView.as_view()),
+    path("capacity", capacity.CapacityView.as_view(), name="capacity"),
+    path("capacity/", capacity.CapacityView.as_view()),
     path("runs/<uuid:run_id>/jobs", RunJobsView.as_view(), name="run-jobs"),
     path("runs/<uuid:run_id>/jobs/", RunJobsView.as_view()),
     *router.urls,

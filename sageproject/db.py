@@ -9,11 +9,15 @@ connection to the pool after each call, so idle threads never pin pool slots; SQ
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections
+from django.db import InterfaceError, InternalError, OperationalError, close_old_connections
+
+logger = logging.getLogger("sage.db")
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -64,3 +68,26 @@ def database_url(alias: str = "default", name: str | None = None) -> str:
         query.update({k: v for k, v in options.items() if isinstance(v, str | int)})
     suffix = f"?{urlencode(query)}" if query else ""
     return f"{scheme}://{auth}@{host}{port}/{quote(name or s['NAME'])}{suffix}"
+
+
+def transient_database_error(exc: BaseException) -> bool:
+    """The database restarting or a dropped connection (not a refused statement)."""
+    return isinstance(exc, OperationalError | InterfaceError | InternalError)
+
+
+async def retry_transient(
+    fn: Callable[..., Any], *args: Any, what: str = "database call", **kwargs: Any
+) -> Any:
+    """``await fn(*args, **kwargs)``, retried with backoff (0.05 s → 2 s) while it fails with
+    a transient database error; other errors propagate. Whoever holds a lease is stopped by
+    its renewer if the outage outlasts the lease."""
+    delay = 0.05
+    while True:
+        try:
+            return await fn(*args, **kwargs)
+        except Exception as exc:
+            if not transient_database_error(exc):
+                raise
+            logger.warning("%s failed (%s); retrying in %.2fs", what, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)

@@ -150,9 +150,6 @@ SPECTACULAR_SETTINGS = {
     "COMPONENT_SPLIT_REQUEST": True,
 }
 
-# Where runs execute: the worker (scheduling) looks the executor up by name so that
-# scheduling never imports agents (DESIGN §2 dependency direction).
-SAGE_RUN_EXECUTOR = "agents.execution.RunExecutor"
 SAGE_TOOL_MODULES = [
     m.strip() for m in os.environ.get("SAGE_TOOL_MODULES", "").split(",") if m.strip()
 ]

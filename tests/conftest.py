@@ -137,7 +137,8 @@ def demo_manifest(name: str = "demo", version: str = "1.0.0", **agent_overrides)
 @pytest.fixture
 def make_session(scripted_record):
     """Create a package (if needed) and a session for a user; returns the Session."""
-    from agents import packages, services
+    from agents import services
+    from agents.services import packages
 
     def make(user, *, manifest: dict | None = None, kind: str = "master"):
         package, _ = packages.package_create(owner=user, manifest=manifest or demo_manifest())
@@ -168,3 +169,45 @@ def _release_stray_connections(django_db_setup, django_db_blocker):
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                     "WHERE datname = current_database() AND pid <> pg_backend_pid()"
                 )
+
+
+def flow_manifest(
+    agents: dict,
+    *,
+    start: str,
+    nodes: dict,
+    edges: list[dict] | None = None,
+    name: str = "p",
+    flow: str = "main",
+) -> dict:
+    """A package manifest of ``agents`` entered at its one flow, ``flow``: the ``nodes`` run
+    from ``start`` along the ``edges``."""
+    return {
+        "name": name,
+        "version": "1.0.0",
+        "entrypoint": flow,
+        "agents": agents,
+        "flows": {flow: {"start": start, "nodes": nodes, "edges": edges or []}},
+    }
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand (``clock.now += seconds``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def skills_dir(tmp_path, settings):
+    """A skills directory holding one skill, ``refunds``, set as the host's only one."""
+    root = tmp_path / "skills"
+    (root / "refunds").mkdir(parents=True)
+    (root / "refunds" / "SKILL.md").write_text(
+        "---\nname: refunds\ndescription: Refund rules\n---\nBody.\n"
+    )
+    settings.SAGE_SKILL_DIRS = [str(root)]
+    return root

@@ -12,7 +12,6 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Q
 
 from agents.manifest import Manifest, parse_manifest
 from agents.models import AgentPackage, ReadinessReport
@@ -63,10 +62,7 @@ def model_names(owner_id: int | None) -> set[str]:
     (``owner_id=None``: the shared ones only)."""
     from pooling.models import ModelRecord
 
-    visible = Q(owner__isnull=True)
-    if owner_id is not None:
-        visible |= Q(owner_id=owner_id)
-    return set(ModelRecord.objects.filter(visible).values_list("name", flat=True))
+    return set(ModelRecord.objects.usable_by(owner_id).values_list("name", flat=True))
 
 
 def package_readiness(

@@ -4,14 +4,12 @@ release-idle form), and resident Applications on the capacity page."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from agents import packages
 from agents.models import AgentPackage, ReadinessReport, ReclamationRequest
+from agents.services import packages
 from scheduling.models import WorkerSnapshot
 from tests.conftest import demo_manifest
 
@@ -22,17 +20,6 @@ pytestmark = pytest.mark.django_db
 def staff_client(client, staff):
     client.force_login(staff)
     return client
-
-
-@pytest.fixture
-def skills_dir(tmp_path, settings) -> Path:
-    root = tmp_path / "skills"
-    (root / "refunds").mkdir(parents=True)
-    (root / "refunds" / "SKILL.md").write_text(
-        "---\nname: refunds\ndescription: Refund rules\n---\nBody.\n"
-    )
-    settings.SAGE_SKILL_DIRS = [str(root)]
-    return root
 
 
 def _package(user, **overrides) -> AgentPackage:
@@ -136,14 +123,14 @@ def test_it_shows_the_workers_answer(staff_client, staff):
 
 
 def test_it_lists_archives_read_only_with_filters(staff_client, alice, make_session):
-    from agents import services
+    from agents import archives
     from scheduling.models import Run, RunStatus
 
     session = make_session(alice)
     run = Run.objects.create(
         session=session, owner=alice, input="x", status=RunStatus.COMPLETED, result={"text": "ok"}
     )
-    record = services.archive_terminal(run)
+    record = archives.archive_terminal(run)
     listing = staff_client.get(
         reverse("admin:agents_managedagentrecord_changelist") + "?status=completed"
     )

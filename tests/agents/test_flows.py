@@ -8,6 +8,7 @@ import pytest
 from agents.flows import (
     MAX_FLOW_STEPS,
     FlowResult,
+    RunAgent,
     models_to_initialise,
     reachable_agents,
     reachable_nodes,
@@ -15,6 +16,14 @@ from agents.flows import (
 )
 from agents.manifest import Manifest, parse_manifest
 from sageproject.errors import NotFoundError, SageError, ValidationError
+from tests.conftest import flow_manifest
+
+
+def main_flow(start: str, nodes: dict[str, Any], edges: list[Any] | None = None) -> dict[str, Any]:
+    """Flows of one flow, ``main``: the ``nodes`` run from ``start`` along the ``edges`` (a
+    flow without ``edges`` has no such key)."""
+    flow: dict[str, Any] = {"start": start, "nodes": nodes}
+    return {"main": flow if edges is None else {**flow, "edges": edges}}
 
 
 def node_ids(flows: dict[str, Any], entrypoint: str) -> list[tuple[str, str]]:
@@ -25,13 +34,11 @@ def node_ids(flows: dict[str, Any], entrypoint: str) -> list[tuple[str, str]]:
 
 
 def test_it_follows_plain_edges_in_visit_order() -> None:
-    flows = {
-        "main": {
-            "start": "a",
-            "nodes": {"a": {"type": "agent", "agent": "x"}, "b": {"type": "end"}},
-            "edges": [{"from": "a", "to": "b"}],
-        }
-    }
+    flows = main_flow(
+        "a",
+        {"a": {"type": "agent", "agent": "x"}, "b": {"type": "end"}},
+        [{"from": "a", "to": "b"}],
+    )
     assert node_ids(flows, "main") == [("main", "a"), ("main", "b")]
 
 
@@ -41,35 +48,31 @@ def test_it_returns_the_node_definitions_with_the_ids() -> None:
 
 
 def test_it_follows_every_conditional_edge() -> None:
-    flows = {
-        "main": {
-            "start": "a",
-            "nodes": {
-                "a": {"type": "agent", "agent": "x"},
-                "yes": {"type": "agent", "agent": "y"},
-                "no": {"type": "agent", "agent": "z"},
-            },
-            "edges": [
-                {"from": "a", "to": "yes", "when": {"contains": "yes"}},
-                {"from": "a", "to": "no", "when": {"contains": "no"}},
-            ],
-        }
-    }
+    flows = main_flow(
+        "a",
+        {
+            "a": {"type": "agent", "agent": "x"},
+            "yes": {"type": "agent", "agent": "y"},
+            "no": {"type": "agent", "agent": "z"},
+        },
+        [
+            {"from": "a", "to": "yes", "when": {"contains": "yes"}},
+            {"from": "a", "to": "no", "when": {"contains": "no"}},
+        ],
+    )
     assert node_ids(flows, "main") == [("main", "a"), ("main", "yes"), ("main", "no")]
 
 
 def test_it_follows_parallel_branches() -> None:
-    flows = {
-        "main": {
-            "start": "fan",
-            "nodes": {
-                "fan": {"type": "parallel", "branches": ["l", "r"]},
-                "l": {"type": "agent", "agent": "x"},
-                "r": {"type": "agent", "agent": "y"},
-            },
-            "edges": [],
-        }
-    }
+    flows = main_flow(
+        "fan",
+        {
+            "fan": {"type": "parallel", "branches": ["l", "r"]},
+            "l": {"type": "agent", "agent": "x"},
+            "r": {"type": "agent", "agent": "y"},
+        },
+        [],
+    )
     assert node_ids(flows, "main") == [("main", "fan"), ("main", "l"), ("main", "r")]
 
 
@@ -92,37 +95,28 @@ def test_it_enters_a_subflow_from_its_start() -> None:
 
 
 def test_it_does_not_follow_edges_out_of_an_end_node() -> None:
-    flows = {
-        "main": {
-            "start": "e",
-            "nodes": {"e": {"type": "end"}, "after": {"type": "agent", "agent": "x"}},
-            "edges": [{"from": "e", "to": "after"}],
-        }
-    }
+    flows = main_flow(
+        "e",
+        {"e": {"type": "end"}, "after": {"type": "agent", "agent": "x"}},
+        [{"from": "e", "to": "after"}],
+    )
     assert node_ids(flows, "main") == [("main", "e")]
 
 
 def test_it_ends_cycles_with_a_visited_set() -> None:
-    flows = {
-        "main": {
-            "start": "a",
-            "nodes": {
-                "a": {"type": "agent", "agent": "x"},
-                "b": {"type": "subflow", "flow": "main"},
-            },
-            "edges": [{"from": "a", "to": "b"}, {"from": "b", "to": "a"}],
-        }
-    }
+    flows = main_flow(
+        "a",
+        {
+            "a": {"type": "agent", "agent": "x"},
+            "b": {"type": "subflow", "flow": "main"},
+        },
+        [{"from": "a", "to": "b"}, {"from": "b", "to": "a"}],
+    )
     assert node_ids(flows, "main") == [("main", "a"), ("main", "b")]
 
 
 def test_it_skips_unreachable_nodes() -> None:
-    flows = {
-        "main": {
-            "start": "a",
-            "nodes": {"a": {"type": "end"}, "unused": {"type": "agent", "agent": "x"}},
-        }
-    }
+    flows = main_flow("a", {"a": {"type": "end"}, "unused": {"type": "agent", "agent": "x"}})
     assert node_ids(flows, "main") == [("main", "a")]
 
 
@@ -158,34 +152,27 @@ def test_it_ignores_non_agent_nodes() -> None:
 
 
 def package(**overrides: Any) -> Manifest:
-    data: dict[str, Any] = {
-        "name": "p",
-        "version": "1.0.0",
-        "entrypoint": "main",
-        "agents": {
+    data = flow_manifest(
+        {
             "assistant": {"model": "m"},
             "unused": {"model": "m"},
             "worker": {"model": "m", "subagents": ["helper"]},
             "helper": {"model": "m"},
             "lonely": {"model": "m", "subagents": ["assistant"]},
         },
-        "flows": {
-            "main": {
-                "start": "a",
-                "nodes": {
-                    "a": {"type": "agent", "agent": "assistant"},
-                    "w": {"type": "agent", "agent": "worker"},
-                    "u": {"type": "agent", "agent": "unused"},
-                    "e": {"type": "end"},
-                },
-                "edges": [
-                    {"from": "a", "to": "w", "when": {"contains": "delegate"}},
-                    {"from": "a", "to": "e"},
-                    {"from": "w", "to": "e"},
-                ],
-            }
+        start="a",
+        nodes={
+            "a": {"type": "agent", "agent": "assistant"},
+            "w": {"type": "agent", "agent": "worker"},
+            "u": {"type": "agent", "agent": "unused"},
+            "e": {"type": "end"},
         },
-    }
+        edges=[
+            {"from": "a", "to": "w", "when": {"contains": "delegate"}},
+            {"from": "a", "to": "e"},
+            {"from": "w", "to": "e"},
+        ],
+    )
     data.update(overrides)
     return parse_manifest(data)
 
@@ -234,15 +221,24 @@ class Recorder:
     def types(self) -> list[str]:
         return [event_type for event_type, _ in self.events]
 
-    async def run(self, manifest: Manifest, flow: str, text: str, **kwargs: Any) -> FlowResult:
+    async def run(
+        self,
+        manifest: Manifest,
+        flow: str,
+        text: str,
+        *,
+        run_agent: RunAgent | None = None,
+        max_steps: int = MAX_FLOW_STEPS,
+    ) -> FlowResult:
+        """Run ``flow`` with this recorder's edges; ``run_agent`` replaces its agents."""
         return await run_flow(
             manifest,
             flow,
             text,
-            run_agent=self.run_agent,
+            run_agent=run_agent or self.run_agent,
             run_tool=self.run_tool,
             on_event=self.on_event,
-            **kwargs,
+            max_steps=max_steps,
         )
 
 
@@ -258,22 +254,20 @@ def flow_package(flows: dict[str, Any]) -> Manifest:
     )
 
 
-LINEAR = {
-    "main": {
-        "start": "one",
-        "nodes": {
-            "one": {"type": "agent", "agent": "a"},
-            "two": {"type": "tool", "tool": "clock", "input": {"tz": "UTC"}},
-            "three": {"type": "agent", "agent": "b"},
-            "done": {"type": "end"},
-        },
-        "edges": [
-            {"from": "one", "to": "two"},
-            {"from": "two", "to": "three"},
-            {"from": "three", "to": "done"},
-        ],
-    }
-}
+LINEAR = main_flow(
+    "one",
+    {
+        "one": {"type": "agent", "agent": "a"},
+        "two": {"type": "tool", "tool": "clock", "input": {"tz": "UTC"}},
+        "three": {"type": "agent", "agent": "b"},
+        "done": {"type": "end"},
+    },
+    [
+        {"from": "one", "to": "two"},
+        {"from": "two", "to": "three"},
+        {"from": "three", "to": "done"},
+    ],
+)
 
 
 async def test_it_runs_nodes_along_edges_passing_each_output_on() -> None:
@@ -330,22 +324,20 @@ async def test_it_stops_when_a_node_has_no_outgoing_edge() -> None:
     assert (result.output, result.steps) == ("a(x)", 1)
 
 
-BRANCHING = {
-    "main": {
-        "start": "route",
-        "nodes": {
-            "route": {"type": "agent", "agent": "a"},
-            "refund": {"type": "agent", "agent": "b"},
-            "billing": {"type": "agent", "agent": "c"},
-            "general": {"type": "agent", "agent": "d"},
-        },
-        "edges": [
-            {"from": "route", "to": "general"},
-            {"from": "route", "to": "refund", "when": {"contains": "REFUND"}},
-            {"from": "route", "to": "billing", "when": {"contains": "BILL"}},
-        ],
-    }
-}
+BRANCHING = main_flow(
+    "route",
+    {
+        "route": {"type": "agent", "agent": "a"},
+        "refund": {"type": "agent", "agent": "b"},
+        "billing": {"type": "agent", "agent": "c"},
+        "general": {"type": "agent", "agent": "d"},
+    },
+    [
+        {"from": "route", "to": "general"},
+        {"from": "route", "to": "refund", "when": {"contains": "REFUND"}},
+        {"from": "route", "to": "billing", "when": {"contains": "BILL"}},
+    ],
+)
 
 
 async def test_it_chooses_the_conditional_edge_matching_the_previous_output() -> None:
@@ -375,38 +367,34 @@ async def test_it_reports_whether_the_selected_edge_was_conditional() -> None:
 
 
 async def test_it_stops_when_no_condition_matches_and_there_is_no_plain_edge() -> None:
-    flows = {
-        "main": {
-            "start": "route",
-            "nodes": {
-                "route": {"type": "agent", "agent": "a"},
-                "x": {"type": "agent", "agent": "b"},
-            },
-            "edges": [{"from": "route", "to": "x", "when": {"contains": "GO"}}],
-        }
-    }
+    flows = main_flow(
+        "route",
+        {
+            "route": {"type": "agent", "agent": "a"},
+            "x": {"type": "agent", "agent": "b"},
+        },
+        [{"from": "route", "to": "x", "when": {"contains": "GO"}}],
+    )
     result = await Recorder({"a": "stay"}).run(flow_package(flows), "main", "x")
     assert result.output == "stay"
     assert list(result.outputs) == ["route"]
 
 
-PARALLEL = {
-    "main": {
-        "start": "fan",
-        "nodes": {
-            "fan": {"type": "parallel", "branches": ["left", "right"]},
-            "left": {"type": "agent", "agent": "a"},
-            "right": {"type": "agent", "agent": "b"},
-            "after": {"type": "agent", "agent": "c"},
-            "never": {"type": "agent", "agent": "d"},
-        },
-        "edges": [
-            {"from": "fan", "to": "after"},
-            # A branch is a single node: its own outgoing edge is not followed inside it.
-            {"from": "left", "to": "never"},
-        ],
-    }
-}
+PARALLEL = main_flow(
+    "fan",
+    {
+        "fan": {"type": "parallel", "branches": ["left", "right"]},
+        "left": {"type": "agent", "agent": "a"},
+        "right": {"type": "agent", "agent": "b"},
+        "after": {"type": "agent", "agent": "c"},
+        "never": {"type": "agent", "agent": "d"},
+    },
+    [
+        {"from": "fan", "to": "after"},
+        # A branch is a single node: its own outgoing edge is not followed inside it.
+        {"from": "left", "to": "never"},
+    ],
+)
 
 
 async def test_it_runs_parallel_branches_concurrently() -> None:
@@ -423,14 +411,7 @@ async def test_it_runs_parallel_branches_concurrently() -> None:
         return f"{agent_id}({text})"
 
     engine = Recorder()
-    result = await run_flow(
-        flow_package(PARALLEL),
-        "main",
-        "go",
-        run_agent=run_agent,
-        run_tool=engine.run_tool,
-        on_event=engine.on_event,
-    )
+    result = await engine.run(flow_package(PARALLEL), "main", "go", run_agent=run_agent)
     assert arrived == {"a", "b"}
     assert result.output == "c(a(go)\nb(go))"
 
@@ -447,14 +428,7 @@ async def test_it_joins_branch_outputs_by_newline_in_branch_order() -> None:
         return agent_id.upper()
 
     engine = Recorder()
-    result = await run_flow(
-        flow_package(PARALLEL),
-        "main",
-        "go",
-        run_agent=run_agent,
-        run_tool=engine.run_tool,
-        on_event=engine.on_event,
-    )
+    result = await engine.run(flow_package(PARALLEL), "main", "go", run_agent=run_agent)
     assert result.outputs["fan"] == "A\nB"
 
 
@@ -473,14 +447,7 @@ async def test_it_surfaces_a_failing_branch_as_the_error_itself() -> None:
 
     engine = Recorder()
     with pytest.raises(SageError) as caught:
-        await run_flow(
-            flow_package(PARALLEL),
-            "main",
-            "go",
-            run_agent=run_agent,
-            run_tool=engine.run_tool,
-            on_event=engine.on_event,
-        )
+        await engine.run(flow_package(PARALLEL), "main", "go", run_agent=run_agent)
     assert caught.value.code == "model.queue_full"
 
 
@@ -526,13 +493,11 @@ async def test_it_stops_at_an_end_node_even_if_an_edge_leaves_it() -> None:
     assert engine.types()[-2:] == ["flow.node.completed", "flow.completed"]
 
 
-CYCLE = {
-    "main": {
-        "start": "ping",
-        "nodes": {"ping": {"type": "agent", "agent": "a"}, "pong": {"type": "agent", "agent": "b"}},
-        "edges": [{"from": "ping", "to": "pong"}, {"from": "pong", "to": "ping"}],
-    }
-}
+CYCLE = main_flow(
+    "ping",
+    {"ping": {"type": "agent", "agent": "a"}, "pong": {"type": "agent", "agent": "b"}},
+    [{"from": "ping", "to": "pong"}, {"from": "pong", "to": "ping"}],
+)
 
 
 async def test_it_stops_a_runaway_cycle_with_flow_step_limit() -> None:
@@ -558,24 +523,15 @@ async def test_it_leaves_a_cycle_through_a_conditional_edge() -> None:
         n = next(counter)
         return "DONE" if n == 5 else f"again {n}"
 
-    flows = {
-        "main": {
-            "start": "work",
-            "nodes": {"work": {"type": "agent", "agent": "a"}, "stop": {"type": "end"}},
-            "edges": [
-                {"from": "work", "to": "stop", "when": {"contains": "DONE"}},
-                {"from": "work", "to": "work"},
-            ],
-        }
-    }
-    result = await run_flow(
-        flow_package(flows),
-        "main",
-        "x",
-        run_agent=run_agent,
-        run_tool=engine.run_tool,
-        on_event=engine.on_event,
+    flows = main_flow(
+        "work",
+        {"work": {"type": "agent", "agent": "a"}, "stop": {"type": "end"}},
+        [
+            {"from": "work", "to": "stop", "when": {"contains": "DONE"}},
+            {"from": "work", "to": "work"},
+        ],
     )
+    result = await engine.run(flow_package(flows), "main", "x", run_agent=run_agent)
     assert (result.output, result.steps) == ("DONE", 7)
 
 
@@ -592,14 +548,7 @@ async def test_it_emits_flow_failed_and_reraises_when_a_node_fails() -> None:
 
     engine = Recorder()
     with pytest.raises(SageError):
-        await run_flow(
-            flow_package(LINEAR),
-            "main",
-            "x",
-            run_agent=run_agent,
-            run_tool=engine.run_tool,
-            on_event=engine.on_event,
-        )
+        await engine.run(flow_package(LINEAR), "main", "x", run_agent=run_agent)
     event_type, payload = engine.events[-1]
     assert event_type == "flow.failed"
     assert payload["code"] == "model.queue_timeout"

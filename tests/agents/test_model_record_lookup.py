@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agents.execution import find_model_record
+from agents.applications import find_model_record
 from pooling.models import ModelRecord, Protocol
 from sageproject.errors import SageError
 

@@ -11,8 +11,9 @@ import pytest
 from django.conf import settings as django_settings
 from django.contrib.auth.models import Group
 
-from agents import packages, services
+from agents import archives, services
 from agents.models import AgentPackage, ManagedAgentRecord, ReadinessReport
+from agents.services import packages
 from sageproject.errors import SageError
 from scheduling.models import Run, RunStatus
 from tests.conftest import demo_manifest
@@ -202,19 +203,19 @@ def _archived(user):
     run = Run.objects.create(
         session=session, owner=user, input="x", status=RunStatus.COMPLETED, result={"text": "ok"}
     )
-    services.archive_terminal(run)
+    archives.archive_terminal(run)
     return run
 
 
 def test_it_reads_an_archive_for_its_owner(alice):
     run = _archived(alice)
-    assert services.archive_read(user=alice, run_id=run.pk).result == {"text": "ok"}
+    assert archives.archive_read(user=alice, run_id=run.pk).result == {"text": "ok"}
 
 
 def test_it_hides_another_users_archive(alice, bob):
     run = _archived(alice)
     with pytest.raises(SageError) as missing:
-        services.archive_read(user=bob, run_id=run.pk)
+        archives.archive_read(user=bob, run_id=run.pk)
     assert missing.value.http_status == 404
 
 
@@ -223,7 +224,7 @@ def test_it_refuses_an_archive_after_read_permission_was_revoked(alice):
     group, _ = Group.objects.get_or_create(name=services.READ_REVOKED_GROUP)
     alice.groups.add(group)
     with pytest.raises(SageError) as forbidden:
-        services.archive_read(user=alice, run_id=run.pk)
+        archives.archive_read(user=alice, run_id=run.pk)
     assert forbidden.value.http_status == 403
     assert ManagedAgentRecord.objects.filter(run=run).exists()
 

@@ -17,6 +17,7 @@ from agents.readiness import check_readiness, raise_if_not_ready
 from agents.skills import SkillRegistry, read_header
 from agents.tools import Tool, ToolRegistry, build_registry
 from sageproject.errors import NotFoundError, ValidationError
+from tests.conftest import flow_manifest
 
 
 def write_skill(root: Path, folder: str, header: str, body: str = "Body text.\n") -> Path:
@@ -317,21 +318,14 @@ def test_it_reports_a_model_record_that_does_not_exist(skills_dir: Path) -> None
 
 def test_it_checks_the_tools_of_flow_tool_nodes(skills_dir: Path) -> None:
     package = parse_manifest(
-        {
-            "name": "p",
-            "version": "1.0.0",
-            "entrypoint": "main",
-            "agents": {"a": {"model": "scripted"}},
-            "flows": {
-                "main": {
-                    "start": "t",
-                    "nodes": {
-                        "t": {"type": "tool", "tool": "teleport"},
-                        "c": {"type": "tool", "tool": "clock"},
-                    },
-                }
+        flow_manifest(
+            {"a": {"model": "scripted"}},
+            start="t",
+            nodes={
+                "t": {"type": "tool", "tool": "teleport"},
+                "c": {"type": "tool", "tool": "clock"},
             },
-        }
+        )
     )
     result = check(package, skills_dir)
     assert result.flows == {"main": {"missing_tools": ["teleport"], "unverified": []}}

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from agents.service import (
+from agents.applications import (
     ARCHIVE_BATCH,
     DRAINING,
     AgentManagementService,
@@ -19,14 +19,7 @@ from agents.service import (
     ApplicationKey,
 )
 from sageproject.errors import SageError
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.conftest import FakeClock
 
 
 class Harness:
@@ -84,19 +77,38 @@ class Harness:
         self.archive_batches.append(batch)
         return self.archive_sizes.pop(0) if self.archive_sizes else 0
 
-    def service(self, clock: Clock | None = None, **options: Any) -> AgentManagementService:
+    def service(self, clock: FakeClock | None = None, **options: Any) -> AgentManagementService:
         return AgentManagementService(
             builder=self.builder,
             probe=self.probe,
             archiver=self.archiver,
-            clock=clock or Clock(),
+            clock=clock or FakeClock(),
             **options,
         )
 
 
-async def _hold(service: AgentManagementService, agent: str, owner: int = 1) -> None:
-    async with service.application(owner, "ref", agent):
+async def _hold(
+    service: AgentManagementService, agent: str, owner: int = 1, ref: str = "ref"
+) -> None:
+    async with service.application(owner, ref, agent):
         pass
+
+
+async def _hold_open(
+    service: AgentManagementService, inside: asyncio.Event, leave: asyncio.Event
+) -> None:
+    """Hold agent "a"'s Application open: set ``inside`` once in, go when ``leave`` is set."""
+    async with service.application(1, "ref", "a"):
+        inside.set()
+        await leave.wait()
+
+
+async def _release_after_use(
+    service: AgentManagementService, agent: str = "a", owner: int = 1, ref: str = "ref"
+) -> dict[str, Any]:
+    """Use one Application once, then release every idle one: returns the release result."""
+    await _hold(service, agent, owner, ref)
+    return await service.release_idle(min_idle_seconds=0)
 
 
 async def test_it_shares_one_build_between_twelve_concurrent_requests() -> None:
@@ -118,13 +130,7 @@ async def test_it_keeps_a_shared_build_when_one_waiter_is_cancelled() -> None:
     first = asyncio.create_task(_hold(service, "a"))
     entered = asyncio.Event()
     release = asyncio.Event()
-
-    async def second() -> None:
-        async with service.application(1, "ref", "a"):
-            entered.set()
-            await release.wait()
-
-    other = asyncio.create_task(second())
+    other = asyncio.create_task(_hold_open(service, entered, release))
     await harness.wait_building(1)
     first.cancel()
     await asyncio.gather(first, return_exceptions=True)
@@ -141,13 +147,7 @@ async def test_it_returns_the_usage_count_when_the_holder_is_cancelled() -> None
     harness = Harness()
     service = harness.service()
     inside = asyncio.Event()
-
-    async def hold_forever() -> None:
-        async with service.application(1, "ref", "a"):
-            inside.set()
-            await asyncio.Event().wait()
-
-    task = asyncio.create_task(hold_forever())
+    task = asyncio.create_task(_hold_open(service, inside, asyncio.Event()))  # held for good
     await inside.wait()
     assert service.capacity()["leased_applications"] == 1
     task.cancel()
@@ -194,17 +194,11 @@ async def test_it_shares_build_slots_with_validation() -> None:
 
 async def test_it_refuses_release_while_a_read_holds_the_instance() -> None:
     harness = Harness()
-    clock = Clock()
+    clock = FakeClock()
     service = harness.service(clock)
     inside = asyncio.Event()
     done = asyncio.Event()
-
-    async def read() -> None:
-        async with service.application(1, "ref", "a"):
-            inside.set()
-            await done.wait()
-
-    reader = asyncio.create_task(read())
+    reader = asyncio.create_task(_hold_open(service, inside, done))
     await inside.wait()
     clock.now += 3600
     result = await service.release_idle(min_idle_seconds=0, limit=4)
@@ -219,8 +213,7 @@ async def test_it_refuses_release_while_the_database_shows_unfinished_runs() -> 
     harness = Harness()
     harness.unfinished["a"] = 2
     service = harness.service()
-    await _hold(service, "a")
-    result = await service.release_idle(min_idle_seconds=0)
+    result = await _release_after_use(service)
     assert result["released"] == 0
     assert result["refused"][0]["reason"] == "2 unfinished run(s)"
     assert service.capacity()["applications"] == 1
@@ -229,16 +222,14 @@ async def test_it_refuses_release_while_the_database_shows_unfinished_runs() -> 
 async def test_it_fails_closed_when_the_probe_fails() -> None:
     harness = Harness()
     harness.probe_error = RuntimeError("database is down")
-    service = harness.service()
-    await _hold(service, "a")
-    result = await service.release_idle(min_idle_seconds=0)
+    result = await _release_after_use(harness.service())
     assert result["released"] == 0
     assert "probe failed" in result["refused"][0]["reason"]
 
 
 async def test_it_refuses_instances_not_idle_long_enough() -> None:
     harness = Harness()
-    clock = Clock()
+    clock = FakeClock()
     service = harness.service(clock)
     await _hold(service, "a")
     clock.now += 100
@@ -249,7 +240,7 @@ async def test_it_refuses_instances_not_idle_long_enough() -> None:
 
 async def test_it_releases_the_oldest_idle_instances_first_up_to_the_limit() -> None:
     harness = Harness()
-    clock = Clock()
+    clock = FakeClock()
     service = harness.service(clock)
     for agent in ("old", "middle", "new"):
         await _hold(service, agent)
@@ -262,8 +253,7 @@ async def test_it_releases_the_oldest_idle_instances_first_up_to_the_limit() -> 
 async def test_it_rebuilds_the_same_version_after_release() -> None:
     harness = Harness()
     service = harness.service()
-    await _hold(service, "a")
-    assert (await service.release_idle(min_idle_seconds=0))["released"] == 1
+    assert (await _release_after_use(service))["released"] == 1
     assert service.capacity()["applications"] == 0
     await _hold(service, "a")
     assert len(harness.builds) == 2
@@ -273,9 +263,7 @@ async def test_it_rebuilds_the_same_version_after_release() -> None:
 async def test_it_archives_terminal_runs_in_batches_before_release() -> None:
     harness = Harness()
     harness.archive_sizes = [ARCHIVE_BATCH, ARCHIVE_BATCH, 7]
-    service = harness.service()
-    await _hold(service, "a")
-    assert (await service.release_idle(min_idle_seconds=0))["released"] == 1
+    assert (await _release_after_use(harness.service()))["released"] == 1
     assert harness.archive_batches == [ARCHIVE_BATCH] * 3
 
 
@@ -283,8 +271,7 @@ async def test_it_keeps_the_instance_when_archiving_fails() -> None:
     harness = Harness()
     harness.archive_error = RuntimeError("archive table locked")
     service = harness.service()
-    await _hold(service, "a")
-    result = await service.release_idle(min_idle_seconds=0)
+    result = await _release_after_use(service)
     assert result["released"] == 0
     assert "archive failed" in result["refused"][0]["reason"]
     assert service.capacity()["resident"][0]["state"] == "ready"
@@ -294,8 +281,7 @@ async def test_it_leaves_a_failed_close_draining_and_close_retries_it() -> None:
     harness = Harness()
     harness.close_errors = 1
     service = harness.service()
-    await _hold(service, "a")
-    result = await service.release_idle(min_idle_seconds=0)
+    result = await _release_after_use(service)
     assert result["released"] == 0
     assert result["failed"] and "disk said no" in result["failed"][0]["reason"]
     capacity = service.capacity()
@@ -322,7 +308,7 @@ async def test_it_keeps_rejecting_work_after_a_failed_shutdown_until_close_succe
 
 async def test_it_releases_a_safe_idle_instance_automatically_at_capacity() -> None:
     harness = Harness()
-    clock = Clock()
+    clock = FakeClock()
     service = harness.service(clock, max_applications=32, auto_release_idle_seconds=300)
     for i in range(32):
         await _hold(service, f"agent{i}")
@@ -336,7 +322,7 @@ async def test_it_releases_a_safe_idle_instance_automatically_at_capacity() -> N
 
 async def test_it_answers_management_capacity_when_no_instance_is_safe() -> None:
     harness = Harness()
-    clock = Clock()
+    clock = FakeClock()
     service = harness.service(clock, max_applications=32, auto_release_idle_seconds=300)
     for i in range(32):
         harness.unfinished[f"agent{i}"] = 1  # every instance has unfinished work
@@ -352,7 +338,7 @@ async def test_it_answers_management_capacity_when_no_instance_is_safe() -> None
 
 async def test_it_never_releases_automatically_when_disabled() -> None:
     harness = Harness()
-    clock = Clock()
+    clock = FakeClock()
     service = harness.service(clock, max_applications=1, auto_release_idle_seconds=None)
     await _hold(service, "a")
     clock.now += 10_000
@@ -391,7 +377,7 @@ async def test_it_validates_release_arguments() -> None:
 
 async def test_it_reports_resident_applications_in_capacity() -> None:
     harness = Harness()
-    clock = Clock()
+    clock = FakeClock()
     service = harness.service(clock)
     await _hold(service, "a", owner=7)
     await service.refresh_unfinished()
@@ -438,7 +424,8 @@ async def test_it_rejects_work_once_closed() -> None:
 
 
 def _rows(user, *, status: str, child_status: str | None = None):
-    from agents import packages, services
+    from agents import services
+    from agents.services import packages
     from scheduling.models import Run, Session
     from tests.conftest import demo_manifest
 
@@ -449,14 +436,13 @@ def _rows(user, *, status: str, child_status: str | None = None):
         other = Session.objects.create(
             owner=user, package_ref="other", package_name="other", agent_id="helper"
         )
-        Run.objects.create(
-            session=other, owner=user, input="sub", status=child_status, parent=run
-        )
+        Run.objects.create(session=other, owner=user, input="sub", status=child_status, parent=run)
     return package, run
 
 
 def _db_service():
-    from agents.execution import archive_unarchived_sync, unfinished_runs_sync
+    from agents.applications import unfinished_runs_sync
+    from agents.archives import archive_unarchived_sync
     from sageproject.db import db_call
 
     harness = Harness()
@@ -467,28 +453,28 @@ def _db_service():
     )
 
 
-@pytest.mark.django_db(transaction=True)
-async def test_it_refuses_release_while_a_run_is_suspended(alice, scripted_record) -> None:
+async def _release_with_rows(user, **rows: Any) -> tuple[dict[str, Any], Any]:
+    """Give ``user`` a package with runs (``_rows``), use its Application once with the real
+    probe and archiver, then release idle ones: returns the release result and the run."""
     from asgiref.sync import sync_to_async
 
-    package, _ = await sync_to_async(_rows)(alice, status="suspended")
-    service = _db_service()
-    async with service.application(alice.pk, package.ref, "assistant"):
-        pass
-    result = await service.release_idle(min_idle_seconds=0)
-    assert result["released"] == 0
-    assert result["refused"][0]["reason"] == "1 unfinished run(s)"
+    package, run = await sync_to_async(_rows)(user, **rows)
+    result = await _release_after_use(_db_service(), "assistant", user.pk, package.ref)
+    return result, run
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_it_refuses_release_while_a_child_run_is_queued(alice, scripted_record) -> None:
-    from asgiref.sync import sync_to_async
-
-    package, _ = await sync_to_async(_rows)(alice, status="completed", child_status="queued")
-    service = _db_service()
-    async with service.application(alice.pk, package.ref, "assistant"):
-        pass
-    result = await service.release_idle(min_idle_seconds=0)
+@pytest.mark.parametrize(
+    "rows",
+    [
+        pytest.param({"status": "suspended"}, id="a_suspended_run"),
+        pytest.param({"status": "completed", "child_status": "queued"}, id="a_queued_child_run"),
+    ],
+)
+async def test_it_refuses_release_while_a_run_is_unfinished(
+    alice, scripted_record, rows: dict[str, str]
+) -> None:
+    result, _ = await _release_with_rows(alice, **rows)
     assert result["released"] == 0
     assert result["refused"][0]["reason"] == "1 unfinished run(s)"
 
@@ -499,11 +485,7 @@ async def test_it_archives_terminal_runs_before_releasing(alice, scripted_record
 
     from agents.models import ManagedAgentRecord
 
-    package, run = await sync_to_async(_rows)(alice, status="completed")
-    service = _db_service()
-    async with service.application(alice.pk, package.ref, "assistant"):
-        pass
-    result = await service.release_idle(min_idle_seconds=0)
+    result, run = await _release_with_rows(alice, status="completed")
     assert result["released"] == 1
     archived = await sync_to_async(ManagedAgentRecord.objects.filter(run_id=run.pk).exists)()
     assert archived

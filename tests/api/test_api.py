@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from rest_framework.test import APIClient
 
-from agents import services
+from agents import archives, services
 from scheduling.models import Event, Run, RunStatus
 from tests.conftest import demo_manifest
 
@@ -27,7 +29,7 @@ def _finish(run: Run, text: str = "done") -> None:
     """Mark a run completed with an archive, as the worker would."""
     Run.objects.filter(pk=run.pk).update(status=RunStatus.COMPLETED, result={"text": text})
     run.refresh_from_db()
-    services.archive_terminal(run)
+    archives.archive_terminal(run)
 
 
 def test_it_requires_authentication():
@@ -84,6 +86,22 @@ def test_it_answers_404_for_bob_on_alice_objects(alice, alice_api, bob_api, alic
     )
     assert submit.status_code == 404
     assert bob_api.get("/api/v1/runs/").json()["count"] == 0
+
+
+def test_an_archive_lookup_answers_404_only_for_what_is_not_there(alice, alice_api, monkeypatch):
+    malformed = alice_api.get("/api/v1/archives/not-a-run-id/")
+    assert malformed.status_code == 404
+    assert malformed.json()["error"]["code"] == "archive.not_found"
+
+    def broken(**kwargs):
+        raise RuntimeError("the database went away")
+
+    # A failure of the server is a 500, never dressed up as a missing archive.
+    monkeypatch.setattr(archives, "archive_read", broken)
+    alice_api.raise_request_exception = False
+    failed = alice_api.get(f"/api/v1/archives/{uuid.uuid4()}/")
+    assert failed.status_code == 500
+    assert failed.json()["error"]["category"] == "INTERNAL"
 
 
 def test_it_answers_malformed_json_with_a_400_envelope(alice_api):

@@ -3,28 +3,16 @@ archive read permission."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from django.conf import settings as django_settings
 from django.contrib.auth.models import Group
 
-from agents import packages, services
+from agents import archives, services
+from agents.services import packages
 from scheduling.models import Run, RunStatus, Session
 from tests.conftest import demo_manifest
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def skills_dir(tmp_path, settings) -> Path:
-    root = tmp_path / "skills"
-    (root / "refunds").mkdir(parents=True)
-    (root / "refunds" / "SKILL.md").write_text(
-        "---\nname: refunds\ndescription: Refund rules\n---\nBody.\n"
-    )
-    settings.SAGE_SKILL_DIRS = [str(root)]
-    return root
 
 
 def _create(api, manifest: dict):
@@ -84,9 +72,7 @@ def test_it_validates_strictly_by_query_flag(alice_api, scripted_record, skills_
     package_id = _create(alice_api, demo_manifest(skills=["returns"])).json()["id"]
     lenient = alice_api.post(f"/api/v1/packages/{package_id}/validate/", {}, format="json")
     assert lenient.status_code == 200 and lenient.json()["readiness"]["ready"] is False
-    strict = alice_api.post(
-        f"/api/v1/packages/{package_id}/validate/?strict=1", {}, format="json"
-    )
+    strict = alice_api.post(f"/api/v1/packages/{package_id}/validate/?strict=1", {}, format="json")
     assert strict.status_code == 400
     assert strict.json()["error"]["code"] == "package.not_ready"
 
@@ -160,7 +146,7 @@ def test_it_answers_403_for_an_archive_after_revocation(alice, alice_api):
     run = Run.objects.create(
         session=session, owner=alice, input="x", status=RunStatus.COMPLETED, result={"text": "a"}
     )
-    services.archive_terminal(run)
+    archives.archive_terminal(run)
     assert alice_api.get(f"/api/v1/archives/{run.pk}/").status_code == 200
     group, _ = Group.objects.get_or_create(name=services.READ_REVOKED_GROUP)
     alice.groups.add(group)

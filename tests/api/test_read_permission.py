@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from django.contrib.auth.models import Group
 
-from agents import services
+from agents import archives, services
 from scheduling.models import Event, Run, RunStatus
 
 pytestmark = pytest.mark.django_db
@@ -23,7 +23,7 @@ def finished(alice, make_session) -> Run:
     )
     Run.objects.filter(pk=run.pk).update(status=RunStatus.COMPLETED, result={"text": "secret"})
     run.refresh_from_db()
-    services.archive_terminal(run)
+    archives.archive_terminal(run)
     return run
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from agents.execution import RunExecutor
+from agents.applications import Application
+from agents.executor import RunExecutor
 from agents.models import ReclamationRequest
-from agents.reclamations import reclamation_create
-from agents.service import Application
+from agents.services.reclamations import reclamation_create
 
 
 @pytest.mark.django_db

@@ -10,7 +10,7 @@ from django.utils import timezone
 from rest_framework import serializers
 from rest_framework.renderers import JSONRenderer
 
-from agents.api import RunSerializer
+from agents.api.runs import RunSerializer
 from scheduling import runs
 from scheduling.models import Run, RunStatus
 

@@ -46,7 +46,12 @@ class WorkerThread:
         asyncio.set_event_loop(self.loop)
 
         async def main() -> None:
-            self.worker = Worker(**self.options)
+            options = dict(self.options)
+            if "executor" not in options:
+                from agents.executor import RunExecutor
+
+                options["executor"] = RunExecutor()
+            self.worker = Worker(**options)
             self._ready.set()
             await self.worker.run()
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import packages, services
+from agents import services
+from agents.services import packages
 from tests.conftest import CI, demo_manifest
 from tests.e2e.conftest import all_terminal, wait_for
 

@@ -12,9 +12,10 @@ import inspect
 import psutil
 import pytest
 
-from agents import packages, services
+from agents import services
 from agents.code_tools import CodeToolsRuntime
-from agents.execution import RunExecutor
+from agents.executor import RunExecutor
+from agents.services import packages
 from pooling.interpreters import InterpreterLimits
 from pooling.sessions import SessionPool
 from scheduling.models import Event, Run, RunStatus

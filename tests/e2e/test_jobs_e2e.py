@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agents import packages
 from agents.models import JobRecord
+from agents.services import packages
 from scheduling.models import Event, Run, RunStatus
 from tests.conftest import client_for, demo_manifest, scripted_model
 from tests.e2e.conftest import all_terminal, wait_for

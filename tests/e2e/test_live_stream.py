@@ -9,7 +9,7 @@ import time
 import orjson
 import pytest
 
-from agents import packages
+from agents.services import packages
 from scheduling import live
 from scheduling.models import Event, Run, RunStatus
 from tests.conftest import client_for, demo_manifest, scripted_model

@@ -12,42 +12,38 @@ import pytest
 from django.conf import settings as django_settings
 from django.core.management import call_command
 
-from agents import packages, services
+from agents import services
 from agents.models import ManagedAgentRecord, ReclamationRequest
-from agents.reclamations import reclamation_create
+from agents.services import packages
+from agents.services.reclamations import reclamation_create
 from scheduling.models import Event, Run, RunStatus, Session, WorkerSnapshot
-from tests.conftest import client_for, demo_manifest
+from tests.conftest import client_for, demo_manifest, flow_manifest
 from tests.e2e.conftest import all_terminal, wait_for
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
 
-FLOW_MANIFEST = {
-    "name": "flowpkg",
-    "version": "1.0.0",
-    "entrypoint": "triage",
-    "agents": {
+FLOW_MANIFEST = flow_manifest(
+    {
         "assistant": {"model": "scripted", "instructions": "Echo."},
         # Unreachable from the flow: its (missing) model must never be initialised.
         "unused": {"model": "no-such-model", "instructions": "Never runs."},
     },
-    "flows": {
-        "triage": {
-            "start": "ask",
-            "nodes": {
-                "ask": {"type": "agent", "agent": "assistant"},
-                "time": {"type": "tool", "tool": "clock"},
-                "other": {"type": "end"},
-                "done": {"type": "end"},
-            },
-            "edges": [
-                {"from": "ask", "to": "time", "when": {"contains": "You said"}},
-                {"from": "ask", "to": "other"},
-                {"from": "time", "to": "done"},
-            ],
-        }
+    name="flowpkg",
+    flow="triage",
+    start="ask",
+    nodes={
+        "ask": {"type": "agent", "agent": "assistant"},
+        "time": {"type": "tool", "tool": "clock"},
+        "other": {"type": "end"},
+        "done": {"type": "end"},
     },
-}
+    edges=[
+        {"from": "ask", "to": "time", "when": {"contains": "You said"}},
+        {"from": "ask", "to": "other"},
+        {"from": "time", "to": "done"},
+    ],
+)
 
 
 def _submit(user, session, text: str = "hello") -> Run:
@@ -188,9 +184,7 @@ def test_it_validates_a_directory_with_bundled_files(tmp_path: Path, alice, scri
         "name: bundled\nversion: 1.0.0\nentrypoint: assistant\nagents:\n"
         "  assistant:\n    model: scripted\n    instructions: {path: prompts/main.md}\n"
     )
-    code, out = _call(
-        "validate_package", str(tmp_path), "--owner", "alice", "--save", "--json"
-    )
+    code, out = _call("validate_package", str(tmp_path), "--owner", "alice", "--save", "--json")
     assert code == 0, out
     body = json.loads(out)
     assert body["reused"] is False
@@ -206,9 +200,7 @@ def test_it_reports_an_invalid_manifest_with_the_envelope(tmp_path: Path):
     assert json.loads(out)["error"]["code"] == "package.invalid"
 
 
-def test_it_releases_idle_applications_from_the_command(
-    alice, make_session, start_worker
-):
+def test_it_releases_idle_applications_from_the_command(alice, make_session, start_worker):
     session = make_session(alice)
     run = _submit(alice, session)
     start_worker()

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from agents import packages
-from agents.execution import RunExecutor
+from agents.executor import RunExecutor
 from agents.models import ManagedAgentRecord
+from agents.services import packages
 from pooling.budget import ModelConcurrencyBudget
 from pooling.models import ModelRecord, Protocol
 from scheduling.models import Event, Run, RunStatus
@@ -26,20 +26,35 @@ def _package_on(user, model: str, name: str = "pkg") -> None:
 
 
 def _run(api, package: str, text: str = "hello") -> str:
-    session = api.post("/api/v1/sessions/", {"package": package, "agent": "assistant"},
-                       format="json").json()["id"]
+    session = api.post(
+        "/api/v1/sessions/", {"package": package, "agent": "assistant"}, format="json"
+    ).json()["id"]
     response = api.post("/api/v1/runs/", {"session": session, "input": text}, format="json")
     assert response.status_code == 202
     return response.json()["id"]
+
+
+def _openai_package(user, upstream, api_key: str) -> ModelRecord:
+    """``user``'s package "pkg" on their own OpenAI record "gpt" (at the loopback server,
+    with ``api_key``); returns the record."""
+    record = ModelRecord(
+        owner=user,
+        name="gpt",
+        protocol=Protocol.OPENAI,
+        base_url=upstream.openai_base_url,
+        model="gpt-test",
+    )
+    record.api_key = api_key
+    record.save()
+    _package_on(user, "gpt")
+    return record
 
 
 def _slow_record(name: str = "slow", delay_ms: int = 100, words: int = 20) -> ModelRecord:
     return scripted_model(name, {"text": " ".join(["w"] * words)}, token_delay_ms=delay_ms)
 
 
-def test_it_suspends_a_run_when_the_budget_queue_is_full_and_resumes_on_retry(
-    alice, start_worker
-):
+def test_it_suspends_a_run_when_the_budget_queue_is_full_and_resumes_on_retry(alice, start_worker):
     _slow_record()
     _package_on(alice, "slow")
     api = client_for(alice)
@@ -48,8 +63,10 @@ def test_it_suspends_a_run_when_the_budget_queue_is_full_and_resumes_on_retry(
     first = _run(api, "pkg")
     wait_for(lambda: executor.budget.active == 1, message="the first call to hold the slot")
     second = _run(api, "pkg")
-    wait_for(lambda: Run.objects.get(pk=second).status == RunStatus.SUSPENDED,
-             message="the second run to be suspended")
+    wait_for(
+        lambda: Run.objects.get(pk=second).status == RunStatus.SUSPENDED,
+        message="the second run to be suspended",
+    )
     body = api.get(f"/api/v1/runs/{second}/").json()
     assert body["interaction"]["code"] == "model.queue_full"
     assert body["interaction"]["retryable"] is True
@@ -62,10 +79,13 @@ def test_it_suspends_a_run_when_the_budget_queue_is_full_and_resumes_on_retry(
     wait_for(lambda: all_terminal([second]), message="the resumed run to finish")
     run = Run.objects.get(pk=second)
     assert run.status == RunStatus.COMPLETED
-    types = list(Event.objects.filter(run_id=second).order_by("seq")
-                 .values_list("type", flat=True))
-    assert types[:4] == ["run.started", "message.completed", "run.suspended",
-                         "interaction.requested"]
+    types = list(Event.objects.filter(run_id=second).order_by("seq").values_list("type", flat=True))
+    assert types[:4] == [
+        "run.started",
+        "message.completed",
+        "run.suspended",
+        "interaction.requested",
+    ]
     assert "interaction.resolved" in types and types[-1] == "run.completed"
     # The user's message was stored once, and the resumed attempt did not repeat it.
     assert types.count("message.completed") == 2
@@ -76,8 +96,9 @@ def test_it_refuses_a_reply_to_a_run_that_is_not_suspended(alice, make_session):
 
     session = make_session(alice)
     run, _ = services.run_submit(owner=alice, session_id=session.pk, input="x")
-    response = client_for(alice).post(f"/api/v1/runs/{run.pk}/reply/", {"decision": "retry"},
-                                      format="json")
+    response = client_for(alice).post(
+        f"/api/v1/runs/{run.pk}/reply/", {"decision": "retry"}, format="json"
+    )
     assert response.status_code == 409
     assert response.json()["error"]["code"] == "run.not_suspended"
 
@@ -112,11 +133,7 @@ def test_it_never_runs_more_model_calls_than_the_budget(alice, start_worker):
 
 
 def test_it_streams_through_the_openai_sdk_with_tool_calls(alice, start_worker, upstream):
-    record = ModelRecord(owner=alice, name="gpt", protocol=Protocol.OPENAI,
-                         base_url=upstream.openai_base_url, model="gpt-test")
-    record.api_key = "sk-alice-1"
-    record.save()
-    _package_on(alice, "gpt")
+    _openai_package(alice, upstream, "sk-alice-1")
     upstream.enqueue(
         Reply(text="", tool_calls=({"name": "calculator", "arguments": {"expression": "6*7"}},)),
         Reply(text="It is 42."),
@@ -135,11 +152,7 @@ def test_it_streams_through_the_openai_sdk_with_tool_calls(alice, start_worker, 
 
 
 def test_it_uses_a_new_client_after_a_credential_change(alice, start_worker, upstream):
-    record = ModelRecord(owner=alice, name="gpt", protocol=Protocol.OPENAI,
-                         base_url=upstream.openai_base_url, model="gpt-test")
-    record.api_key = "sk-old"
-    record.save()
-    _package_on(alice, "gpt")
+    record = _openai_package(alice, upstream, "sk-old")
     gate = threading.Event()
     upstream.enqueue(Reply(text="slow old answer", gate=gate), Reply(text="new answer"))
     api = client_for(alice)
@@ -165,20 +178,27 @@ def test_it_uses_a_new_client_after_a_credential_change(alice, start_worker, ups
 @pytest.mark.parametrize(
     ("reply", "code", "retryable"),
     [
-        (ErrorReply(status=502, body="<html><head><title>502 Bad Gateway</title></head>"
-                    "<body>nginx secret-internal-host</body></html>",
-                    content_type="text/html"), "upstream.error", True),
-        (ErrorReply(status=401, body='{"error": {"message": "bad key sk-leak-9"}}'),
-         "upstream.auth", False),
+        (
+            ErrorReply(
+                status=502,
+                body="<html><head><title>502 Bad Gateway</title></head>"
+                "<body>nginx secret-internal-host</body></html>",
+                content_type="text/html",
+            ),
+            "upstream.error",
+            True,
+        ),
+        (
+            ErrorReply(status=401, body='{"error": {"message": "bad key sk-leak-9"}}'),
+            "upstream.auth",
+            False,
+        ),
     ],
 )
-def test_it_turns_upstream_failures_into_clear_errors(alice, start_worker, upstream, reply,
-                                                      code, retryable):
-    record = ModelRecord(owner=alice, name="gpt", protocol=Protocol.OPENAI,
-                         base_url=upstream.openai_base_url, model="gpt-test")
-    record.api_key = "sk-leak-9"
-    record.save()
-    _package_on(alice, "gpt")
+def test_it_turns_upstream_failures_into_clear_errors(
+    alice, start_worker, upstream, reply, code, retryable
+):
+    _openai_package(alice, upstream, "sk-leak-9")
     upstream.enqueue(reply)
     api = client_for(alice)
     run_id = _run(api, "pkg")
@@ -187,8 +207,11 @@ def test_it_turns_upstream_failures_into_clear_errors(alice, start_worker, upstr
     body = api.get(f"/api/v1/runs/{run_id}/").json()
     assert body["status"] == "failed"
     assert (body["error"]["code"], body["error"]["retryable"]) == (code, retryable)
-    exposed = (str(body) + str(list(Event.objects.values_list("data", flat=True)))
-               + str(ManagedAgentRecord.objects.get(run_id=run_id).error))
+    exposed = (
+        str(body)
+        + str(list(Event.objects.values_list("data", flat=True)))
+        + str(ManagedAgentRecord.objects.get(run_id=run_id).error)
+    )
     assert "secret-internal-host" not in exposed
     assert "sk-leak-9" not in exposed
     assert "<html>" not in exposed
@@ -202,28 +225,28 @@ def test_it_publishes_model_clients_and_calls_in_the_worker_snapshot(alice, staf
     body = client_for(staff).get("/api/v1/capacity").json()
     capacity = body["workers"][0]["capacity"]
     assert set(capacity["executor"]["model_clients"]) == {
-        "clients", "closing_clients", "active_leases", "max_clients", "constructions"}
+        "clients",
+        "closing_clients",
+        "active_leases",
+        "max_clients",
+        "constructions",
+    }
     assert capacity["executor"]["model_calls"]["limit"] == 8
 
 
-
-
 def test_it_continues_a_session_with_its_earlier_turns(alice, start_worker, upstream):
-    record = ModelRecord(owner=alice, name="gpt", protocol=Protocol.OPENAI,
-                         base_url=upstream.openai_base_url, model="gpt-test")
-    record.api_key = "sk-alice"
-    record.save()
-    _package_on(alice, "gpt")
+    _openai_package(alice, upstream, "sk-alice")
     upstream.enqueue(Reply(text="Hello, Alice."), Reply(text="You are Alice."))
     api = client_for(alice)
-    session = api.post("/api/v1/sessions/", {"package": "pkg", "agent": "assistant"},
-                       format="json").json()["id"]
+    session = api.post(
+        "/api/v1/sessions/", {"package": "pkg", "agent": "assistant"}, format="json"
+    ).json()["id"]
     start_worker()
     for text in ("I am Alice.", "Who am I?"):
-        run = api.post("/api/v1/runs/", {"session": session, "input": text},
-                       format="json").json()["id"]
+        run = api.post("/api/v1/runs/", {"session": session, "input": text}, format="json").json()[
+            "id"
+        ]
         wait_for(lambda run=run: all_terminal([run]), message="the run to finish")
     messages = upstream.requests[1].json["messages"]
     turns = [(m["role"], m["content"]) for m in messages if m["role"] != "system"]
-    assert turns == [("user", "I am Alice."), ("assistant", "Hello, Alice."),
-                     ("user", "Who am I?")]
+    assert turns == [("user", "I am Alice."), ("assistant", "Hello, Alice."), ("user", "Who am I?")]

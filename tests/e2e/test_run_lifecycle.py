@@ -8,9 +8,10 @@ from datetime import timedelta
 
 import pytest
 from django.utils import timezone
+from rest_framework.test import APIClient
 
-from agents import packages
 from agents.models import ManagedAgentRecord
+from agents.services import packages
 from scheduling.models import TERMINAL_STATUSES, Event, Run, RunStatus
 from tests.conftest import client_for, demo_manifest, scripted_model
 from tests.e2e.conftest import all_terminal, wait_for
@@ -18,9 +19,13 @@ from tests.e2e.conftest import all_terminal, wait_for
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
 
-def _slow_package(user, *, words: int = 40, delay_ms: int = 50) -> None:
+def _slow_session(user, *, words: int, delay_ms: int) -> tuple[APIClient, str]:
+    """A client of ``user`` and a new session of theirs on a slow scripted model: ``words``
+    tokens ``delay_ms`` apart per answer."""
     scripted_model("slow", {"text": " ".join(["w"] * words)}, token_delay_ms=delay_ms)
     packages.package_create(owner=user, manifest=demo_manifest(name="slowpkg", model="slow"))
+    api = client_for(user)
+    return api, _session(api)
 
 
 def _session(api, package: str = "slowpkg") -> str:
@@ -49,14 +54,32 @@ def _run_blocks(session_id: str) -> list[str]:
     return blocks
 
 
+def _run_of_a_dead_worker(
+    user, make_session, *, expires_in: timedelta, **counters: int
+) -> tuple[APIClient, str, str]:
+    """A run on a new demo session of ``user``, marked running under the lease of a worker
+    that died (the lease ends ``expires_in`` from now; ``counters``: its attempts, crashes):
+    returns ``user``'s client, the session id and the run id."""
+    make_session(user)
+    api = client_for(user)
+    session = _session(api, "demo")
+    _, body = _submit(api, session, "hello")
+    Run.objects.filter(pk=body["id"]).update(
+        status=RunStatus.RUNNING,
+        lease_owner="dead-worker",
+        lease_token=1,
+        lease_expires_at=timezone.now() + expires_in,
+        **counters,
+    )
+    return api, session, body["id"]
+
+
 def _status(run_id: str) -> str:
     return Run.objects.get(pk=run_id).status
 
 
 def test_five_runs_of_one_session_run_one_at_a_time_in_order(alice, start_worker):
-    _slow_package(alice, words=6, delay_ms=20)
-    api = client_for(alice)
-    session = _session(api)
+    api, session = _slow_session(alice, words=6, delay_ms=20)
     made = []
     for i in range(5):
         code, body = _submit(api, session, f"turn {i}")
@@ -81,9 +104,7 @@ def test_five_runs_of_one_session_run_one_at_a_time_in_order(alice, start_worker
 
 
 def test_reject_answers_409_while_the_session_is_busy(alice, start_worker):
-    _slow_package(alice, words=40, delay_ms=50)
-    api = client_for(alice)
-    session = _session(api)
+    api, session = _slow_session(alice, words=40, delay_ms=50)
     _, first = _submit(api, session, "one")
     code, body = _submit(api, session, "two", multitask="reject")
     assert code == 409
@@ -96,9 +117,7 @@ def test_reject_answers_409_while_the_session_is_busy(alice, start_worker):
 
 
 def test_enqueue_is_the_default_and_waits_its_turn(alice, start_worker):
-    _slow_package(alice, words=30, delay_ms=30)
-    api = client_for(alice)
-    session = _session(api)
+    api, session = _slow_session(alice, words=30, delay_ms=30)
     _, first = _submit(api, session, "one")
     _, second = _submit(api, session, "two", multitask="enqueue")
     start_worker(max_per_user=2)
@@ -109,12 +128,8 @@ def test_enqueue_is_the_default_and_waits_its_turn(alice, start_worker):
 
 
 @pytest.mark.parametrize("choice", ["interrupt", "rollback"])
-def test_interrupt_and_rollback_stop_the_running_run_at_its_next_step(
-    choice, alice, start_worker
-):
-    _slow_package(alice, words=160, delay_ms=50)  # about 8 s if never interrupted
-    api = client_for(alice)
-    session = _session(api)
+def test_interrupt_and_rollback_stop_the_running_run_at_its_next_step(choice, alice, start_worker):
+    api, session = _slow_session(alice, words=160, delay_ms=50)  # about 8 s if never interrupted
     _, old = _submit(api, session, "go on for a while")
     start_worker(max_per_user=2)
     wait_for(
@@ -145,19 +160,9 @@ def test_a_run_reaped_after_its_workers_last_crash_ends_on_the_stream(
     alice, make_session, start_worker, settings
 ):
     settings.SAGE = {**settings.SAGE, "SAGE_MAX_RUN_ATTEMPTS": 3}
-    make_session(alice)
-    api = client_for(alice)
-    session = _session(api, "demo")
-    _, body = _submit(api, session, "hello")
-    run_id = body["id"]
     # Its worker died for the third time: the lease is dead and two crashes were counted.
-    Run.objects.filter(pk=run_id).update(
-        status=RunStatus.RUNNING,
-        lease_owner="dead-worker",
-        lease_token=1,
-        attempts=5,
-        crashes=2,
-        lease_expires_at=timezone.now() - timedelta(seconds=1),
+    api, session, run_id = _run_of_a_dead_worker(
+        alice, make_session, expires_in=timedelta(seconds=-1), attempts=5, crashes=2
     )
     start_worker()
     wait_for(lambda: all_terminal([run_id]), message="the run to be failed")
@@ -173,17 +178,8 @@ def test_a_run_reaped_after_its_workers_last_crash_ends_on_the_stream(
 
 
 def test_cancel_of_a_run_whose_worker_died_ends_it(alice, make_session, start_worker):
-    make_session(alice)
-    api = client_for(alice)
-    session = _session(api, "demo")
-    _, body = _submit(api, session, "hello")
-    run_id = body["id"]
-    Run.objects.filter(pk=run_id).update(
-        status=RunStatus.RUNNING,
-        lease_owner="dead-worker",
-        lease_token=1,
-        attempts=1,
-        lease_expires_at=timezone.now() + timedelta(seconds=2),
+    api, _, run_id = _run_of_a_dead_worker(
+        alice, make_session, expires_in=timedelta(seconds=2), attempts=1
     )
     assert api.post(f"/api/v1/runs/{run_id}/cancel/").status_code == 202
     start_worker()

@@ -90,7 +90,7 @@ def _slow_model(name: str = "slow") -> ModelRecord:
 
 
 def test_it_cancels_a_running_run(alice, start_worker):
-    from agents import packages
+    from agents.services import packages
 
     _slow_model()
     packages.package_create(owner=alice, manifest=demo_manifest(name="slowpkg", model="slow"))
@@ -111,7 +111,7 @@ def test_it_cancels_a_running_run(alice, start_worker):
 
 
 def test_it_requeues_unfinished_runs_on_shutdown(alice, start_worker):
-    from agents import packages
+    from agents.services import packages
 
     _slow_model()
     packages.package_create(owner=alice, manifest=demo_manifest(name="slowpkg", model="slow"))
@@ -150,7 +150,7 @@ def test_it_requeues_a_run_whose_worker_died(alice, make_session, start_worker):
 
 
 def test_it_fails_a_run_on_an_upstream_error_without_leaking_the_body(alice, start_worker):
-    from agents import packages
+    from agents.services import packages
 
     scripted_model(
         "broken", error={"status": 400, "body": "<html><title>secret-proxy-page</title></html>"}

@@ -13,8 +13,8 @@ import logging
 import pytest
 from django.test import Client
 
-from agents import packages
 from agents.models import ManagedAgentRecord
+from agents.services import packages
 from pooling.models import ModelRecord
 from pooling.providers.errors import DEFAULT_RETRY_AFTER_SECONDS
 from scheduling.models import TERMINAL_STATUSES, Event, Run, RunStatus

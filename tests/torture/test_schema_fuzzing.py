@@ -67,7 +67,8 @@ def _failures_by_code(report: dict[str, Any]) -> dict[str, int]:
 def test_schemathesis_finds_no_server_error_or_schema_violation(
     live_host: LiveHost, figures: dict[str, Any], tmp_path: Path
 ) -> None:
-    from agents import packages, services
+    from agents import services
+    from agents.services import packages
 
     live_host.ensure_worker()
     user, token = make_user("fuzz")

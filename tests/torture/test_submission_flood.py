@@ -34,7 +34,8 @@ CONNECTIONS = int(os.environ.get("SAGE_FLOOD_CONNECTIONS", "12"))
 @pytest.fixture
 def flood_targets(live_host: LiveHost) -> list[tuple[str, str]]:
     """(token, session id) pairs: three users, ``SESSIONS_PER_USER`` sessions each."""
-    from agents import packages, services
+    from agents import services
+    from agents.services import packages
 
     live_host.stop_worker()
     scripted_model("scripted")

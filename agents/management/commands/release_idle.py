@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from agents.management.commands._output import emit_json, fail
 from agents.models import ReclamationRequest, ReclamationStatus
-from agents.reclamations import reclamation_create, wait_for_answer
+from agents.services.reclamations import reclamation_create, wait_for_answer
 from sageproject.errors import UnavailableError
 
 

@@ -1,4 +1,11 @@
-"""``manage.py runworker``: the process that executes runs (see scheduling.worker)."""
+"""``manage.py runworker``: the process that executes runs.
+
+The worker is composed here, where both halves are visible in the imports: the scheduling
+side (``scheduling.worker.Worker``: claims, leases, the dispatcher, snapshots) and the
+agents side it executes runs with (``agents.executor.RunExecutor``). A run's terminal
+transition writes its archive through ``agents.archives.archive_records``, registered with
+the state machine at start-up by ``agents.apps``.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import logging
 
 from django.core.management.base import BaseCommand
 
+from agents.executor import RunExecutor
 from scheduling.worker import Worker, install_signal_handlers
 
 
@@ -24,7 +32,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options) -> None:
         async def main() -> None:
-            worker = Worker(max_concurrent=options["max_concurrent"])
+            worker = Worker(executor=RunExecutor(), max_concurrent=options["max_concurrent"])
             install_signal_handlers(worker)
             logging.getLogger("sage.worker").info(
                 "worker %s started: up to %d concurrent runs",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
-from agents import packages
+from agents.services import packages
 from pooling.models import ModelRecord, Protocol
 
 DEMO_MANIFEST = {

@@ -13,9 +13,9 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 
-from agents import packages
 from agents.management.commands._output import emit_json, fail
 from agents.manifest import MAX_FILES, parse_manifest
+from agents.services import packages
 from sageproject.errors import NotFoundError, SageError, ValidationError
 
 MANIFEST_NAMES = ("sage.yaml", "sage.yml", "sage.json")

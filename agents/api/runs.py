@@ -1,0 +1,195 @@
+"""REST: runs (``/api/v1/runs/``) — submit (202, or 429 when the queue is full), read,
+list, cancel, reply. Another user's run answers 404."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+)
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from agents import services
+from agents.api.permissions import READ_PERMISSIONS
+from sageproject.api import ErrorEnvelopeSerializer, StrictFieldsMixin
+from sageproject.parsers import (
+    query_choice,
+    query_uuid,
+)
+from scheduling.models import (
+    Multitask,
+    Run,
+    RunStatus,
+)
+
+
+class RunSubmitSerializer(StrictFieldsMixin, serializers.Serializer):
+    session = serializers.UUIDField()
+    input = serializers.CharField(max_length=100_000, allow_blank=False, trim_whitespace=False)
+    priority = serializers.IntegerField(default=0, min_value=-100, max_value=100)
+    multitask = serializers.ChoiceField(
+        choices=Multitask.choices,
+        default=Multitask.ENQUEUE,
+        help_text=(
+            "When the session already has an unfinished run: enqueue (wait in order), "
+            "reject (409 session.busy), interrupt (stop it at its next step, then run) or "
+            "rollback (as interrupt, and remove the interrupted run's events)."
+        ),
+    )
+
+
+class RunReplySerializer(StrictFieldsMixin, serializers.Serializer):
+    decision = serializers.CharField(
+        max_length=50, help_text="One of the interaction's allowed_decisions, e.g. retry or cancel."
+    )
+    interaction = serializers.CharField(
+        max_length=64, required=False, help_text="The interaction id being answered."
+    )
+
+
+class RunSerializer(serializers.ModelSerializer):
+    session = serializers.UUIDField(source="session_id")
+
+    class Meta:
+        model = Run
+        fields = [
+            "id",
+            "session",
+            "status",
+            "queue",
+            "priority",
+            "input",
+            "result",
+            "error",
+            "interaction",
+            "attempts",
+            "crashes",
+            "cancel_requested",
+            "parent",
+            "created_at",
+            "started_at",
+            "finished_at",
+        ]
+
+    def to_representation(self, run: Run) -> dict[str, Any]:
+        """What the fields above give (they stay the schema), built directly: a
+        ModelSerializer builds its sixteen fields anew for every run it renders, a fifth of
+        the CPU of a submission and most of a page of runs."""
+        return {
+            "id": str(run.pk),
+            "session": str(run.session_id),
+            "status": run.status,
+            "queue": run.queue,
+            "priority": run.priority,
+            "input": run.input,
+            "result": run.result,
+            "error": run.error,
+            "interaction": run.interaction,
+            "attempts": run.attempts,
+            "crashes": run.crashes,
+            "cancel_requested": run.cancel_requested,
+            "parent": str(run.parent_id) if run.parent_id is not None else None,
+            "created_at": _TIMESTAMP.to_representation(run.created_at),
+            "started_at": _TIMESTAMP.to_representation(run.started_at),
+            "finished_at": _TIMESTAMP.to_representation(run.finished_at),
+        }
+
+
+# Renders a timestamp as every DateTimeField of the API does.
+_TIMESTAMP = serializers.DateTimeField()
+
+
+class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Runs: submit (202, or 429 when the host's queue is full), read, cancel."""
+
+    serializer_class = RunSerializer
+    permission_classes = READ_PERMISSIONS
+
+    def get_queryset(self):
+        query = Run.objects.visible_to(self.request.user)
+        if self.action != "list":
+            return query
+        session = query_uuid(self.request, "session")
+        if session is not None:
+            query = query.filter(session_id=session)
+        run_status = query_choice(self.request, "status", RunStatus.values)
+        if run_status is not None:
+            query = query.filter(status=run_status)
+        return query
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("session", OpenApiTypes.UUID, description="Only this session's."),
+            OpenApiParameter("status", str, enum=RunStatus.values, description="Only these."),
+        ]
+    )
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        return super().list(request, *args, **kwargs)
+
+    @extend_schema(
+        request=RunSubmitSerializer,
+        parameters=[
+            OpenApiParameter(
+                "Idempotency-Key",
+                str,
+                OpenApiParameter.HEADER,
+                description="Repeat a submit safely: same key, same run.",
+            )
+        ],
+        responses={
+            200: OpenApiResponse(RunSerializer, description="A repeated Idempotency-Key."),
+            202: RunSerializer,
+            429: OpenApiResponse(ErrorEnvelopeSerializer, description="scheduler.queue_full"),
+        },
+    )
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        data = RunSubmitSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        key = request.headers.get("Idempotency-Key") or None
+        if key is not None and len(key) > 200:
+            raise serializers.ValidationError({"Idempotency-Key": ["at most 200 characters"]})
+        run, created = services.run_submit(
+            owner=request.user,
+            session_id=data.validated_data["session"],
+            input=data.validated_data["input"],
+            idempotency_key=key,
+            priority=data.validated_data["priority"],
+            multitask=data.validated_data["multitask"],
+        )
+        if not created:  # a repeated key answers an existing run, perhaps finished: a read
+            services.check_read_permission(request.user)
+        code = status.HTTP_202_ACCEPTED if created else status.HTTP_200_OK
+        return Response(RunSerializer(run).data, status=code)
+
+    @extend_schema(request=None, responses={202: RunSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str | None = None) -> Response:
+        """Cancel: queued and suspended runs end at once, running ones at their next step."""
+        run = services.run_cancel(run=self.get_object())
+        return Response(RunSerializer(run).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(
+        request=RunReplySerializer,
+        responses={
+            202: RunSerializer,
+            429: OpenApiResponse(ErrorEnvelopeSerializer, description="scheduler.queue_full"),
+        },
+    )
+    @action(detail=True, methods=["post"])
+    def reply(self, request: Request, pk: str | None = None) -> Response:
+        """Answer a suspended run (decision ``retry`` resumes it, ``cancel`` ends it)."""
+        data = RunReplySerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        run = services.run_reply(
+            run=self.get_object(),
+            decision=data.validated_data["decision"],
+            interaction_id=data.validated_data.get("interaction"),
+        )
+        return Response(RunSerializer(run).data, status=status.HTTP_202_ACCEPTED)

@@ -1,0 +1,33 @@
+"""The one door for writes and workflows on packages, sessions, runs and reclamations.
+
+Views, admin actions, management commands and the worker call these functions; none of
+them re-implements their checks. One module per concept — ``packages`` (save, resolve,
+validate, fork, activate, readiness), ``sessions``, ``runs`` (admission, cancel, reply,
+read permission), ``reclamations`` (operator release requests) — and the names callers
+use most, re-exported here. Archives have their own module (``agents.archives``).
+"""
+
+from agents.services.reclamations import reclamation_create, wait_for_answer
+from agents.services.runs import (
+    MAX_USER_PRIORITY,
+    READ_REVOKED_GROUP,
+    check_priority,
+    check_read_permission,
+    run_cancel,
+    run_reply,
+    run_submit,
+)
+from agents.services.sessions import session_create
+
+__all__ = [
+    "MAX_USER_PRIORITY",
+    "READ_REVOKED_GROUP",
+    "check_priority",
+    "check_read_permission",
+    "reclamation_create",
+    "run_cancel",
+    "run_reply",
+    "run_submit",
+    "session_create",
+    "wait_for_answer",
+]

@@ -1,0 +1,135 @@
+"""Runs from the user's side: submit (admission), cancel, reply, and the permission to
+read what runs produced.
+
+The Run's status changes only in ``scheduling.runs`` (the state machine); these functions
+check what the caller may do and call it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agents.models import AgentPackage
+from agents.services.packages import package_validate, strict_mode
+from sageproject.errors import (
+    ConflictError,
+    ErrorCategory,
+    NotFoundError,
+    SageError,
+    ValidationError,
+)
+from scheduling import runs
+from scheduling.models import Multitask, Run, RunQueue, RunStatus, Session
+
+
+def run_submit(
+    *,
+    owner,
+    session_id: Any,
+    input: Any,
+    idempotency_key: str | None = None,
+    queue: str = RunQueue.CHAT,
+    priority: int = 0,
+    multitask: str = Multitask.ENQUEUE,
+) -> tuple[Run, bool]:
+    """Admit a run (queued) into the owner's session; returns (run, created).
+
+    A repeated ``idempotency_key`` answers the run it created first. Raises
+    ``session.not_found`` (404), ``scheduler.queue_full`` (429) at the pending limits and
+    ``session.busy`` (409) for ``multitask=reject`` while the session has an unfinished
+    run, and ``run.priority_forbidden`` (403) for a priority above 0 from a user who is not
+    staff (``check_priority``). Concurrent submissions never exceed the limits, never lose
+    a run and never create two runs for one key, without waiting for each other
+    (``scheduling.pending``). A session runs one run at a time: later runs wait in order
+    (see ``scheduling.runs.admit``).
+    """
+    check_priority(owner, priority)
+    if strict_mode():
+        session = Session.objects.filter(pk=session_id, owner=owner).first()
+        if session is None:
+            raise NotFoundError("session.not_found", "session not found")
+        package = AgentPackage.objects.filter(owner=owner, ref=session.package_ref).first()
+        if package is None:
+            raise NotFoundError("package.not_found", "the session's package version is gone")
+        package_validate(owner=owner, package=package, strict=True)
+    return runs.admit(
+        owner=owner,
+        session_id=session_id,
+        input=input,
+        idempotency_key=idempotency_key,
+        queue=queue,
+        priority=priority,
+        multitask=multitask,
+    )
+
+
+# The highest priority a user who is not staff may give their runs. Claims order users by
+# their running runs first and priority second, so at equal load a higher priority would put
+# one user's runs ahead of everyone else's: priorities above 0 are for operators (staff).
+# Anyone may lower their own runs (-100..0), which also orders them among themselves.
+MAX_USER_PRIORITY = 0
+
+
+def check_priority(owner, priority: int) -> None:
+    """Raise ``run.priority_forbidden`` (403) when ``owner`` may not submit ``priority``."""
+    if priority > MAX_USER_PRIORITY and not owner.is_staff:
+        raise SageError(
+            "run.priority_forbidden",
+            f"a priority above {MAX_USER_PRIORITY} is reserved for staff",
+            category=ErrorCategory.AUTHORIZATION,
+            details={"fields": {"priority": [f"at most {MAX_USER_PRIORITY} unless staff"]}},
+        )
+
+
+def run_cancel(*, run: Run) -> Run:
+    """Cancel a run: a queued or suspended one at once (its ``run.cancelled`` event and
+    archive with it), a running one through its worker at its next step (or the reaper, if
+    its worker died). Idempotent: a terminal run is answered unchanged."""
+    return runs.cancel(run.pk)
+
+
+def run_reply(*, run: Run, decision: str, interaction_id: str | None = None) -> Run:
+    """Answer a suspended run's interaction: ``retry`` queues it again, ``cancel`` ends it.
+
+    Raises ``run.not_suspended`` (409) when there is nothing to answer, and
+    ``run.decision_invalid`` (400) for a decision the interaction does not allow.
+    """
+    interaction = run.interaction or {}
+    if run.status != RunStatus.SUSPENDED or not interaction:
+        raise ConflictError("run.not_suspended", f"run is {run.status}; there is nothing to answer")
+    if interaction_id is not None and interaction_id != interaction.get("id"):
+        raise ConflictError(
+            "interaction.revision_conflict", "that interaction is no longer pending"
+        )
+    allowed = interaction.get("allowed_decisions", [])
+    if decision not in allowed:
+        raise ValidationError(
+            "run.decision_invalid",
+            f"decision must be one of {', '.join(allowed)}",
+            details={"fields": {"decision": [f"must be one of {allowed}"]}},
+        )
+    if decision == "cancel":
+        return run_cancel(run=run)
+    resolution = {"interaction_id": interaction.get("id"), "decision": decision}
+    if not runs.resume(run.pk, resolution):
+        raise ConflictError("run.not_suspended", "the run changed state; read it again")
+    return Run.objects.get(pk=run.pk)
+
+
+# Membership in this group revokes a user's permission to read run results (archived or
+# not). Operators add a user to it in the admin; removing them restores access.
+READ_REVOKED_GROUP = "sage-read-revoked"
+
+
+def check_read_permission(user) -> None:
+    """Raise ``run.read_forbidden`` (403) unless ``user`` may currently read results.
+
+    Checked on every read, archived results included: a permission revoked after the run
+    finished still denies. A user may read while active and not in ``READ_REVOKED_GROUP``.
+    """
+    if not user.is_active or user.groups.filter(name=READ_REVOKED_GROUP).exists():
+        raise SageError(
+            "run.read_forbidden",
+            "your permission to read run results has been revoked",
+            category=ErrorCategory.AUTHORIZATION,
+        )

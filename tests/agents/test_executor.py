@@ -1,0 +1,147 @@
+"""``RunExecutor.execute`` on its own: a claimed run in, an ``Outcome`` out.
+
+The executor commits the run's events (fenced) but never its status: the dispatcher
+commits the outcome. These tests claim a run through the state machine, hand it to the
+executor directly (no worker, no dispatcher) and check what it returns and what it left
+in the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from agents.executor import RunExecutor
+from scheduling import runs
+from scheduling.dispatcher import StopSignal
+from scheduling.models import Event, Run, RunStatus
+from scheduling.runs import Fence
+from tests.conftest import demo_manifest, scripted_model
+
+pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+async def executor():
+    executor = RunExecutor()
+    await executor.start()
+    yield executor
+    await executor.close()
+
+
+@pytest.fixture
+def submit(alice, make_session):
+    """Admit one run of the demo agent on ``model`` and return its id."""
+
+    def submit(model: str, text: str = "hi") -> str:
+        session = make_session(alice, manifest=demo_manifest(name=f"p-{model}", model=model))
+        run, _ = runs.admit(owner=alice, session_id=session.pk, input=text)
+        return str(run.pk)
+
+    return sync_to_async(submit)
+
+
+async def claim(token_offset: int = 0) -> tuple[Fence, dict]:
+    """Claim the one queued run as worker ``direct``; its fence (its token moved by
+    ``token_offset`` to play a stale worker) and the claimed row."""
+    grants, _ = await sync_to_async(runs.claim)(
+        worker_id="direct", duration=timedelta(seconds=60), limit=1
+    )
+    (grant,) = grants
+    fence = Fence(run_id=grant.row["pk"], lease_owner="direct", lease_token=grant.token)
+    if token_offset:
+        fence = Fence(run_id=fence.run_id, lease_owner="direct", lease_token=grant.token - 1)
+    return fence, grant.row
+
+
+async def events_of(run_id: str) -> list[str]:
+    return await sync_to_async(
+        lambda: list(
+            Event.objects.filter(run_id=run_id).order_by("seq").values_list("type", flat=True)
+        )
+    )()
+
+
+async def status_of(run_id: str) -> str:
+    return (await Run.objects.aget(pk=run_id)).status
+
+
+async def test_a_completed_run_returns_its_outcome_and_leaves_the_status_to_the_dispatcher(
+    executor, submit
+):
+    await sync_to_async(scripted_model)("exec-ok", {"text": "hello there"})
+    run_id = await submit("exec-ok")
+    fence, row = await claim()
+
+    outcome = await executor.execute(run_id, fence, StopSignal(), row)
+
+    assert outcome.status == RunStatus.COMPLETED
+    assert outcome.result["text"] == "hello there"
+    # A one-step run commits nothing itself: its start and its messages go with the outcome.
+    kinds = [kind for kind, _ in outcome.events()]
+    assert kinds[0] == "run.started"
+    assert "message.completed" in kinds
+    assert await status_of(run_id) == RunStatus.RUNNING
+    assert await events_of(run_id) == []
+
+
+async def test_a_missing_model_record_fails_the_run(executor, submit):
+    record = await sync_to_async(scripted_model)("exec-gone", {"text": "never"})
+    run_id = await submit("exec-gone")
+    await record.adelete()  # gone between admission and execution
+    fence, row = await claim()
+
+    outcome = await executor.execute(run_id, fence, StopSignal(), row)
+
+    assert outcome.status == RunStatus.FAILED
+    assert outcome.error["code"] == "server.model_not_configured"
+
+
+async def test_a_provider_rate_limit_suspends_the_run_with_a_retry_interaction(executor, submit):
+    await sync_to_async(scripted_model)(
+        "exec-429", error={"status": 429, "body": "{}", "retry_after": 7}
+    )
+    run_id = await submit("exec-429")
+    fence, row = await claim()
+
+    outcome = await executor.execute(run_id, fence, StopSignal(), row)
+
+    assert outcome.status == RunStatus.SUSPENDED
+    assert outcome.interaction["code"] == "upstream.rate_limited"
+    assert outcome.interaction["allowed_decisions"] == ["retry", "cancel"]
+    assert outcome.interaction["retry_after"] == 7
+
+
+async def test_a_stale_fence_stops_the_run_writing(executor, submit):
+    # Slow tokens: the start is committed on its own (after 50 ms) with the stale token.
+    await sync_to_async(scripted_model)("exec-slow", {"text": "a b c d e"}, token_delay_ms=60)
+    run_id = await submit("exec-slow")
+    fence, row = await claim(token_offset=-1)
+
+    outcome = await executor.execute(run_id, fence, StopSignal(), row)
+
+    assert outcome == "lease_lost"
+    assert await events_of(run_id) == []
+
+
+async def test_a_cancelled_run_ends_cancelled_with_the_events_it_made(executor, submit):
+    await sync_to_async(scripted_model)(
+        "exec-long", {"text": " ".join(["w"] * 50)}, token_delay_ms=40
+    )
+    run_id = await submit("exec-long")
+    fence, row = await claim()
+    stop = StopSignal()
+
+    task = asyncio.create_task(executor.execute(run_id, fence, stop, row))
+    await asyncio.sleep(0.3)  # the start is committed, the model is streaming
+    stop.reason = "cancelled"
+    task.cancel()
+    outcome = await task
+
+    assert outcome.status == RunStatus.CANCELLED
+    assert outcome.error["code"] == "run.cancelled"
+    assert (await events_of(run_id))[0] == "run.started"
+    assert await status_of(run_id) == RunStatus.RUNNING
