@@ -915,7 +915,7 @@ def _lease_returning(
 
 # What a claim reads back besides the queue fields: what an executor needs to prepare the
 # run without another query.
-_CLAIMED_FIELDS = (
+CLAIMED_FIELDS = (
     "session_id",
     "input",
     "interaction",
@@ -927,7 +927,7 @@ _CLAIMED_FIELDS = (
 )
 _LEASED_FIELDS = (
     *_ROW_FIELDS,
-    *_CLAIMED_FIELDS,
+    *CLAIMED_FIELDS,
     "lease_expires_at",
     "lease_token",
     "admission_slot",

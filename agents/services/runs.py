@@ -19,20 +19,15 @@ from sageproject.errors import (
     ValidationError,
 )
 from scheduling import runs
-from scheduling.models import Multitask, Run, RunQueue, RunStatus, Session
+from scheduling.models import Run, RunStatus, Session
 
 
-def run_submit(
-    *,
-    owner,
-    session_id: Any,
-    input: Any,
-    idempotency_key: str | None = None,
-    queue: str = RunQueue.CHAT,
-    priority: int = 0,
-    multitask: str = Multitask.ENQUEUE,
-) -> tuple[Run, bool]:
+def run_submit(*, owner, session_id: Any, priority: int = 0, **admission: Any) -> tuple[Run, bool]:
     """Admit a run (queued) into the owner's session; returns (run, created).
+
+    ``admission`` is the rest of what `scheduling.runs.admit` takes — ``input`` (required),
+    ``idempotency_key``, ``queue`` (``chat``), ``multitask`` (``enqueue``) — passed on
+    after this door's own checks.
 
     A repeated ``idempotency_key`` answers the run it created first. Raises
     ``session.not_found`` (404), ``scheduler.queue_full`` (429) at the pending limits and
@@ -52,15 +47,7 @@ def run_submit(
         if package is None:
             raise NotFoundError("package.not_found", "the session's package version is gone")
         package_validate(owner=owner, package=package, strict=True)
-    return runs.admit(
-        owner=owner,
-        session_id=session_id,
-        input=input,
-        idempotency_key=idempotency_key,
-        queue=queue,
-        priority=priority,
-        multitask=multitask,
-    )
+    return runs.admit(owner=owner, session_id=session_id, priority=priority, **admission)
 
 
 # The highest priority a user who is not staff may give their runs. Claims order users by
