@@ -21,6 +21,7 @@ from agents.models import (
     ManagedAgentRecord,
     ReadinessReport,
     ReclamationRequest,
+    Visibility,
 )
 from agents.services import packages
 from agents.services.reclamations import reclamation_create
@@ -71,11 +72,45 @@ def _missing_summary(agents: dict[str, Any]) -> str:
 
 @admin.register(AgentPackage)
 class AgentPackageAdmin(admin.ModelAdmin):
-    list_display = ["name", "version", "owner", "active", "short_ref", "readiness", "created_at"]
-    list_filter = ["active", "name", "owner"]
+    list_display = [
+        "name",
+        "version",
+        "owner",
+        "active",
+        "visibility",
+        "short_ref",
+        "readiness",
+        "created_at",
+    ]
+    list_filter = ["active", "visibility", "name", "owner"]
     search_fields = ["name", "version", "ref", "owner__username"]
     readonly_fields = ["owner", "name", "version", "ref", "manifest", "files", "created_at"]
-    actions = ["validate_packages", "validate_packages_strictly", "release_selected"]
+    filter_horizontal = ["shared_with"]
+    actions = [
+        "validate_packages",
+        "validate_packages_strictly",
+        "publish_to_everyone",
+        "make_private",
+        "release_selected",
+    ]
+
+    @admin.action(description="Publish to every user")
+    def publish_to_everyone(self, request: HttpRequest, queryset) -> None:
+        self._publish(request, queryset, Visibility.EVERYONE)
+
+    @admin.action(description="Make private (owner only)")
+    def make_private(self, request: HttpRequest, queryset) -> None:
+        self._publish(request, queryset, Visibility.PRIVATE)
+
+    def _publish(self, request: HttpRequest, queryset, visibility: str) -> None:
+        """Publishing is for staff (the admin is); another user's sessions on a version
+        made private stop running it (their runs fail ``package.not_found``)."""
+        names = []
+        for package in queryset:
+            packages.package_publish(package, visibility)
+            names.append(str(package))
+        label = Visibility(visibility).label
+        self.message_user(request, f"{', '.join(names)}: {label}", messages.SUCCESS)
 
     def has_add_permission(self, request, obj=None) -> bool:
         return False  # packages are created from manifests (API or validate_package --save)

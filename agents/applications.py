@@ -555,7 +555,8 @@ def build_application_sync(key: ApplicationKey, tools: ToolRegistry) -> Applicat
     members get a model record view. Raises ``package.not_found``,
     ``package.agent_not_found`` or ``server.model_not_configured``.
     """
-    package = AgentPackage.objects.filter(ref=key.ref, owner_id=key.owner_id).first()
+    # The user's own version, or one shared with them (unpublished since: gone for them).
+    package = AgentPackage.objects.usable_by(key.owner_id).filter(ref=key.ref).first()
     if package is None:
         raise NotFoundError("package.not_found", "the session's package version is gone")
     manifest = package_manifest(package)

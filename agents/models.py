@@ -8,10 +8,35 @@ from django.db import models
 from scheduling.models import OwnedQuerySet
 
 
+class Visibility(models.TextChoices):
+    """Who may open sessions on a package version (staff publish; sessions, runs and
+    archives stay private to the user who made them whatever the package's visibility)."""
+
+    PRIVATE = "private", "private (its owner)"
+    EVERYONE = "everyone", "shared with every user"
+    GROUPS = "groups", "shared with named groups"
+
+
+class PackageQuerySet(OwnedQuerySet):
+    def usable_by(self, user_id: int) -> PackageQuerySet:
+        """The versions a user may open sessions on and run: their own, those shared with
+        every user, and those shared with a group the user is in."""
+        return self.filter(
+            models.Q(owner_id=user_id)
+            | models.Q(visibility=Visibility.EVERYONE)
+            | models.Q(
+                pk__in=AgentPackage.shared_with.through.objects.filter(group__user=user_id).values(
+                    "agentpackage_id"
+                ),
+                visibility=Visibility.GROUPS,
+            )
+        )
+
+
 class AgentPackage(models.Model):
     """An immutable package version; ``ref`` is the content hash of its manifest and files."""
 
-    objects = OwnedQuerySet.as_manager()
+    objects = PackageQuerySet.as_manager()
 
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="agent_packages"
@@ -23,6 +48,15 @@ class AgentPackage(models.Model):
     files = models.JSONField(default=dict, blank=True)
     active = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
+    visibility = models.CharField(
+        max_length=10, choices=Visibility.choices, default=Visibility.PRIVATE
+    )
+    shared_with = models.ManyToManyField(
+        "auth.Group",
+        blank=True,
+        related_name="shared_packages",
+        help_text="The groups a version with visibility 'groups' is shared with.",
+    )
 
     class Meta:
         ordering = ["name", "-created_at"]

@@ -110,9 +110,23 @@ class PackageForkSerializer(StrictFieldsMixin, serializers.Serializer):
 
 
 class PackageSerializer(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.get_username", read_only=True)
+
     class Meta:
         model = AgentPackage
-        fields = ["id", "name", "version", "ref", "active", "manifest", "files", "created_at"]
+        fields = [
+            "id",
+            "name",
+            "version",
+            "ref",
+            "active",
+            "owner",
+            "visibility",
+            "manifest",
+            "files",
+            "created_at",
+        ]
+        read_only_fields = ["visibility"]
 
 
 def _body(result: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +151,11 @@ class PackageViewSet(
     serializer_class = PackageSerializer
 
     def get_queryset(self):
-        return AgentPackage.objects.visible_to(self.request.user)
+        """What the caller may use: their own versions and those shared with them (staff:
+        every version)."""
+        user = self.request.user
+        query = AgentPackage.objects.select_related("owner")
+        return query if user.is_staff else query.usable_by(user.pk)
 
     @extend_schema(
         request=PackageCreateSerializer,

@@ -8,18 +8,19 @@ through ``db_call``.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from agents.manifest import Manifest, parse_manifest
-from agents.models import AgentPackage, ReadinessReport
+from agents.models import AgentPackage, ReadinessReport, Visibility
 from agents.readiness import ReadinessResult, check_readiness, raise_if_not_ready
 from agents.skills import SkillRegistry
 from agents.tools import ToolRegistry, build_registry
 from sageproject.dblocks import named_lock
-from sageproject.errors import ConflictError, NotFoundError
+from sageproject.errors import ConflictError, NotFoundError, ValidationError
 
 VALIDATION_SCOPE = "schema, composition and resource discovery; no quality evaluation"
 REUSED_SCOPE = "previously saved immutable version; resources not rechecked"
@@ -245,15 +246,39 @@ def _save_locked(owner, parsed: Manifest, *, strict: bool, activate: bool) -> di
 
 
 def package_resolve(*, owner, name_or_ref: str) -> AgentPackage:
-    """The owner's active version of a package name, or the version with that ref."""
-    packages = AgentPackage.objects.filter(owner=owner)
-    package = (
-        packages.filter(ref=name_or_ref).first()
-        or packages.filter(name=name_or_ref, active=True).first()
-        or packages.filter(name=name_or_ref).order_by("-created_at").first()
-    )
-    if package is None:
-        raise NotFoundError("package.not_found", f"no package {name_or_ref!r}")
+    """The version a user means by a package name or ref: their own first (the version with
+    that ref, else the active version of that name, else its newest), then the same among
+    the versions shared with them (``AgentPackage.objects.usable_by``). Another user's
+    private package is not found."""
+    own = AgentPackage.objects.filter(owner=owner)
+    shared = AgentPackage.objects.usable_by(owner.pk).exclude(owner=owner)
+    for packages in (own, shared):
+        package = (
+            packages.filter(ref=name_or_ref).first()
+            or packages.filter(name=name_or_ref, active=True).order_by("-created_at").first()
+            or packages.filter(name=name_or_ref).order_by("-created_at").first()
+        )
+        if package is not None:
+            return package
+    raise NotFoundError("package.not_found", f"no package {name_or_ref!r}")
+
+
+def package_publish(
+    package: AgentPackage, visibility: str, groups: Iterable[Any] = ()
+) -> AgentPackage:
+    """Set who may use a package version: ``private``, ``everyone``, or ``groups`` (the
+    given Django groups). Staff decide this (the admin's publish actions, ``seed_demo``);
+    sessions, runs and archives on a shared version stay private to their users."""
+    if visibility not in Visibility.values:
+        raise ValidationError(
+            "package.visibility_invalid",
+            f"visibility must be one of {', '.join(Visibility.values)}",
+            details={"fields": {"visibility": [f"one of {Visibility.values}"]}},
+        )
+    with transaction.atomic():
+        package.visibility = visibility
+        package.save(update_fields=["visibility"])
+        package.shared_with.set(list(groups) if visibility == Visibility.GROUPS else [])
     return package
 
 

@@ -43,7 +43,7 @@ def run_submit(*, owner, session_id: Any, priority: int = 0, **admission: Any) -
         session = Session.objects.filter(pk=session_id, owner=owner).first()
         if session is None:
             raise NotFoundError("session.not_found", "session not found")
-        package = AgentPackage.objects.filter(owner=owner, ref=session.package_ref).first()
+        package = AgentPackage.objects.usable_by(owner.pk).filter(ref=session.package_ref).first()
         if package is None:
             raise NotFoundError("package.not_found", "the session's package version is gone")
         package_validate(owner=owner, package=package, strict=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
+from agents.models import Visibility
 from agents.services import packages
 from pooling.models import ModelRecord, Protocol
 
@@ -30,7 +31,10 @@ DEMO_MANIFEST = {
 
 
 class Command(BaseCommand):
-    help = "Create the shared 'scripted' model record and the 'demo' package (idempotent)."
+    help = (
+        "Create the shared 'scripted' model record and the 'demo' package, shared with "
+        "every user (idempotent)."
+    )
 
     def add_arguments(self, parser) -> None:
         parser.add_argument(
@@ -51,4 +55,8 @@ class Command(BaseCommand):
             raise CommandError(f"no user {options['owner']!r}; create it first") from None
         package, created = packages.package_create(owner=owner, manifest=DEMO_MANIFEST)
         state = "created" if created else "exists"
-        self.stdout.write(f"package demo@{package.version} ({package.ref[:12]}): {state}")
+        # Every user of the host may open sessions on the demo (their sessions stay theirs).
+        packages.package_publish(package, Visibility.EVERYONE)
+        self.stdout.write(
+            f"package demo@{package.version} ({package.ref[:12]}): {state}, shared with every user"
+        )
