@@ -24,10 +24,13 @@ import os
 import socket
 import weakref
 from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS
 
@@ -281,3 +284,97 @@ def hub() -> LiveHub:
     if found is None:
         found = _hubs[loop] = LiveHub()
     return found
+
+
+# ------------------------------------------------------------------------------ following
+
+
+# How often a follower reads the database without a ``committed`` notice, how many durable
+# events one read takes, and after how long without anything a keep-alive is due (seconds).
+FOLLOW_POLL_SECONDS = 0.25
+FOLLOW_PAGE = 200
+KEEPALIVE_SECONDS = 15
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """A live piece of a model's output (``message.delta`` / ``tool_call.delta``)."""
+
+    type: str
+    run: str | None
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """This follower lost deltas (it read too slowly); ``count`` so far."""
+
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAlive:
+    """Nothing happened for ``KEEPALIVE_SECONDS``."""
+
+
+def _events_after(session_id: Any, after: int) -> list[Any]:
+    from scheduling.models import Event
+
+    return list(
+        Event.objects.filter(session_id=session_id, seq__gt=after).order_by("seq")[:FOLLOW_PAGE]
+    )
+
+
+async def follow(session_id: Any, after: int, seconds: float) -> AsyncIterator[Any]:
+    """A session as it happens, for ``seconds`` at most: its durable events after seq
+    ``after`` (``Event`` rows, from the database: the source of truth for every process) in
+    seq order, with the workers' live `Delta`\\s in between, `Dropped` when this follower
+    lost deltas and `KeepAlive` after a quiet spell. Every stream of the host (the SSE
+    endpoint, the protocol layers) reads a session through this.
+
+    A ``committed`` notice from a worker makes the follower read new durable events at
+    once; without one it polls every ``FOLLOW_POLL_SECONDS``. Deltas wait in a bounded queue
+    per follower: one that does not read loses deltas and never slows a run. Close the
+    iterator (``contextlib.aclosing``) to stop early.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    quiet_since = loop.time()
+    subscription = await hub().subscribe(session_id)
+    reported = 0
+    read_events = sync_to_async(_events_after, thread_sensitive=False)
+    try:
+        read = True
+        while loop.time() < deadline:
+            if read:
+                rows = await read_events(session_id, after)
+                for row in rows:
+                    yield row
+                    after = row.seq
+                if rows:
+                    quiet_since = loop.time()
+                    if len(rows) >= FOLLOW_PAGE:
+                        continue  # more are waiting
+            if subscription.dropped > reported:
+                reported = subscription.dropped
+                yield Dropped(reported)
+            if loop.time() - quiet_since > KEEPALIVE_SECONDS:
+                quiet_since = loop.time()
+                yield KeepAlive()
+            message = await subscription.get(
+                min(FOLLOW_POLL_SECONDS, max(deadline - loop.time(), 0.001))
+            )
+            read = message is None  # the poll interval passed: look at the database
+            while message is not None:
+                kind = message.get("type")
+                if kind in DELTA_TEXT:
+                    quiet_since = loop.time()
+                    yield Delta(kind, message.get("run"), message.get("payload") or {})
+                elif kind == "committed" and int(message.get("seq", 0)) > after:
+                    read = True
+                try:
+                    message = subscription.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    message = None
+    finally:
+        await subscription.close()

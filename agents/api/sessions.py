@@ -6,12 +6,11 @@ Every lookup is scoped to the caller (``visible_to``), so another user's session
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from asgiref.sync import sync_to_async
 from django.http import StreamingHttpResponse
 from drf_spectacular.utils import (
     OpenApiParameter,
@@ -43,8 +42,6 @@ EVENTS_DEFAULT_LIMIT = 100
 EVENTS_MAX_LIMIT = 200
 STREAM_DEFAULT_SECONDS = 30
 STREAM_MAX_SECONDS = 300
-STREAM_POLL_SECONDS = 0.25
-STREAM_KEEPALIVE_SECONDS = 15
 # The largest event seq (a PositiveIntegerField): the bound of ``after``.
 MAX_SEQ = 2_147_483_647
 
@@ -233,72 +230,27 @@ class SessionViewSet(
         return response
 
 
-EVENT_PAGE = 200
-
-
-def _events_after(session_id: Any, after: int, limit: int = EVENT_PAGE) -> list[Event]:
-    return list(Event.objects.filter(session_id=session_id, seq__gt=after).order_by("seq")[:limit])
-
-
 async def _event_stream(session_id: Any, after: int, seconds: float) -> AsyncIterator[bytes]:
-    """Durable events from the database (the source of truth for every process, ``id`` =
-    seq) and, live, the workers' ``message.delta`` and ``tool_call.delta`` events (no
-    ``id``: never persisted, so a reconnect with ``Last-Event-ID`` replays durable events
-    and then joins the deltas).
-
-    A ``committed`` notice from a worker makes the stream read new durable events at once;
-    without one it polls every ``STREAM_POLL_SECONDS``. Deltas wait in a bounded queue per
-    client: a client that does not read loses deltas (counted in ``: dropped N`` comments)
-    and never slows a run.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    quiet_since = loop.time()
-    subscription = await live.hub().subscribe(session_id)
-    reported = 0
-    try:
-        yield b"retry: 1000\n\n"
-        read = True
-        while loop.time() < deadline:
-            if read:
-                rows = await sync_to_async(_events_after, thread_sensitive=False)(session_id, after)
-                for row in rows:
-                    body = event_json(
-                        seq=row.seq,
-                        type=row.type,
-                        run_id=row.run_id,
-                        created_at=row.created_at,
-                        data=row.data,
-                    )
-                    yield b"id: %d\nevent: %s\ndata: %s\n\n" % (row.seq, row.type.encode(), body)
-                    after = row.seq
-                if rows:
-                    quiet_since = loop.time()
-                    if len(rows) >= EVENT_PAGE:
-                        continue  # more are waiting
-            if subscription.dropped > reported:
-                reported = subscription.dropped
-                yield b": dropped %d deltas\n\n" % reported
-            if loop.time() - quiet_since > STREAM_KEEPALIVE_SECONDS:
-                quiet_since = loop.time()
+    """The session as Server-Sent Events (`scheduling.live.follow`): durable events with
+    ``id`` = seq, live ``message.delta`` and ``tool_call.delta`` events without one (never
+    persisted, so a reconnect with ``Last-Event-ID`` replays durable events and then joins
+    the deltas), ``: dropped N deltas`` when this client read too slowly, and keep-alives."""
+    yield b"retry: 1000\n\n"
+    async with contextlib.aclosing(live.follow(session_id, after, seconds)) as items:
+        async for item in items:
+            if isinstance(item, live.Delta):
+                body = orjson.dumps({"type": item.type, "run": item.run, "payload": item.payload})
+                yield b"event: %s\ndata: %s\n\n" % (item.type.encode(), body)
+            elif isinstance(item, live.Dropped):
+                yield b": dropped %d deltas\n\n" % item.count
+            elif isinstance(item, live.KeepAlive):
                 yield b": keep-alive\n\n"
-            message = await subscription.get(
-                min(STREAM_POLL_SECONDS, max(deadline - loop.time(), 0.001))
-            )
-            read = message is None  # the poll interval passed: look at the database
-            while message is not None:
-                kind = message.get("type")
-                if kind in live.DELTA_TEXT:
-                    quiet_since = loop.time()
-                    body = orjson.dumps(
-                        {"type": kind, "run": message.get("run"), "payload": message.get("payload")}
-                    )
-                    yield b"event: %s\ndata: %s\n\n" % (kind.encode(), body)
-                elif kind == "committed" and int(message.get("seq", 0)) > after:
-                    read = True
-                try:
-                    message = subscription.queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    message = None
-    finally:
-        await subscription.close()
+            else:
+                body = event_json(
+                    seq=item.seq,
+                    type=item.type,
+                    run_id=item.run_id,
+                    created_at=item.created_at,
+                    data=item.data,
+                )
+                yield b"id: %d\nevent: %s\ndata: %s\n\n" % (item.seq, item.type.encode(), body)
