@@ -176,10 +176,9 @@ async def test_it_refuses_bad_arguments_politely(
 
 async def test_it_refuses_after_close(runtime: CodeToolsRuntime) -> None:
     await runtime.close()
-    with pytest.raises(ToolError):
-        await runtime.run_python({"code": "1"}, ctx())
-    with pytest.raises(ToolError):
-        await runtime.run_python_session({"code": "1"}, ctx())
+    for handler in (runtime.run_python, runtime.run_python_session):
+        with pytest.raises(ToolError):
+            await handler({"code": "1"}, ctx())
 
 
 # --- python_session (stateful) --------------------------------------------------------------

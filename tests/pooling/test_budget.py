@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -58,6 +59,16 @@ async def enqueue(budget: ModelConcurrencyBudget, coro: Any) -> asyncio.Task[Any
     task = asyncio.create_task(coro)
     await until(lambda: budget.waiting == before + 1)
     return task
+
+
+async def body_held_budget() -> tuple[ModelConcurrencyBudget, Callable[[], Awaitable[Any]]]:
+    """A budget of one slot that the test body itself holds, and the release of that slot:
+    unlike ``Holder.release`` it does not yield, so the slot passes to the first waiter
+    before that waiter has resumed."""
+    budget = ModelConcurrencyBudget(1)
+    held = budget.lease()
+    await held.__aenter__()
+    return budget, functools.partial(held.__aexit__, None, None, None)
 
 
 async def full_budget(**options: Any) -> tuple[ModelConcurrencyBudget, Holder]:
@@ -210,13 +221,10 @@ async def test_it_hands_released_slots_to_waiters_in_arrival_order() -> None:
 
 
 async def test_it_never_lets_a_newcomer_jump_the_queue_after_a_release() -> None:
-    budget = ModelConcurrencyBudget(1)
-    # Hold the slot from the test body itself so the release below does not yield.
-    held = budget.lease()
-    await held.__aenter__()
+    budget, release = await body_held_budget()
     line = Line(budget)
     first = await line.join("queued")
-    await held.__aexit__(None, None, None)
+    await release()
     # The slot now belongs to the queued waiter even though it has not resumed yet.
     assert budget.snapshot()["active"] == 1
     newcomer = asyncio.create_task(queue_waiter(budget, line.order, "newcomer"))
@@ -286,14 +294,12 @@ async def test_it_drops_a_cancelled_waiter_from_the_queue() -> None:
 
 
 async def test_it_does_not_leak_a_slot_when_a_waiter_is_cancelled_during_hand_off() -> None:
-    budget = ModelConcurrencyBudget(1)
-    held = budget.lease()
-    await held.__aenter__()
+    budget, release = await body_held_budget()
     line = Line(budget)
     handed = await line.join("handed")
     nxt = await line.join("next")
     # Releasing does not yield, so ``handed`` owns the slot but has not resumed yet.
-    await held.__aexit__(None, None, None)
+    await release()
     assert budget.snapshot()["waiting"] == 1
     # The slot has been handed to ``handed`` but it has not resumed: cancel it now.
     assert budget.snapshot()["active"] == 1

@@ -447,12 +447,15 @@ async def test_it_lets_queued_callers_grow_when_the_ceiling_is_raised() -> None:
 
 
 def spare_pool(
-    boots: Boots, spares: int, **kwargs: object
-) -> tuple[ElasticPool[int], SpareFactory[int]]:
+    spares: int, **kwargs: object
+) -> tuple[Boots, ElasticPool[int], SpareFactory[int]]:
+    """A pool of new ``Boots`` with ``spares`` spares (``kwargs`` as ``pool_with_spares``
+    takes them; a ceiling of 64 unless given): the boots, the pool and its spare factory."""
+    boots = Boots()
     kwargs.setdefault("max_size", 64)
     pool, factory = pool_with_spares(boots.factory, boots.closer, spares=spares, **kwargs)
     assert factory is not None
-    return pool, factory
+    return boots, pool, factory
 
 
 async def test_it_boots_on_demand_only_without_spares() -> None:
@@ -470,8 +473,7 @@ def test_it_derives_the_spares_from_the_grow_step() -> None:
 
 
 async def test_it_hands_a_miss_the_spare_booted_ahead() -> None:
-    boots = Boots()
-    pool, factory = spare_pool(boots, 1)
+    boots, pool, factory = spare_pool(1)
     tasks, release = await hold_many(pool, 1)  # boots state 1 and, ahead of demand, spare 2
     await until(lambda: boots.booted == 2)
     boots.gate = asyncio.Event()  # from now on no boot can finish
@@ -486,19 +488,15 @@ async def test_it_hands_a_miss_the_spare_booted_ahead() -> None:
 
 
 async def test_it_keeps_the_pool_policy_with_spares_two_overlapping_requests_make_two() -> None:
-    boots = Boots()
-    pool, factory = spare_pool(boots, 1, max_size=76)
-    tasks, release = await hold_many(pool, 2)
-    release.set()
-    await asyncio.gather(*tasks)
+    _, pool, factory = spare_pool(1, max_size=76)
+    await grow_to(pool, 2)
     assert pool.stats().created == 2  # the spare is not a pool state
     assert factory.held == 1
     await pool.close()
 
 
 async def test_it_trims_spares_to_one_once_the_pool_sits_idle_and_regrows_them() -> None:
-    boots = Boots()
-    pool, factory = spare_pool(boots, 3)
+    boots, pool, factory = spare_pool(3)
     await grow_to(pool, 2)
     await until(lambda: boots.booted == 5)  # two states, three spares
     assert factory.held == 3
@@ -516,8 +514,7 @@ async def test_it_trims_spares_to_one_once_the_pool_sits_idle_and_regrows_them()
 
 
 async def test_it_keeps_the_spares_under_steady_traffic_that_does_not_grow_the_pool() -> None:
-    boots = Boots()
-    pool, factory = spare_pool(boots, 2)
+    _, pool, factory = spare_pool(2)
     await grow_to(pool, 1)
     await until(lambda: factory.held == 2)
     for _ in range(4):  # one checkout per janitor round: never idle, never growing
@@ -529,8 +526,7 @@ async def test_it_keeps_the_spares_under_steady_traffic_that_does_not_grow_the_p
 
 
 async def test_it_closes_the_spares_with_the_pool() -> None:
-    boots = Boots()
-    pool, factory = spare_pool(boots, 2)
+    boots, pool, factory = spare_pool(2)
     await grow_to(pool, 1)
     await pool.close()
     assert factory.held == 0

@@ -59,6 +59,12 @@ async def spin(times: int = 20) -> None:
         await asyncio.sleep(0)
 
 
+async def claim_now(scheduler: Any, worker: str, **options: Any) -> WorkerLease | None:
+    """``worker``'s claim on ``scheduler`` of a `LEASE`-long lease, without waiting
+    (``options``, e.g. ``policy``, as ``claim`` takes them): the lease, or ``None``."""
+    return await scheduler.claim(worker, lease_duration=LEASE, wait_timeout=0, **options)
+
+
 async def claim_storm(
     members: list[Any],
     make_work: Callable[..., WorkItem],
@@ -107,7 +113,7 @@ async def leased(
     """Submit the work item ``name`` (with ``fields``) and claim it as ``worker-<name>``;
     the lease."""
     await scheduler.submit(make_work(name, **fields))
-    lease = await scheduler.claim(f"worker-{name}", lease_duration=LEASE, wait_timeout=0)
+    lease = await claim_now(scheduler, f"worker-{name}")
     assert lease is not None and lease.work.work_id == name
     return lease
 
@@ -240,7 +246,7 @@ class SchedulerContract:
 
     async def test_it_remembers_the_key_of_finished_work(self, scheduler, make_work):
         await scheduler.submit(make_work("w1"))
-        lease = await scheduler.claim("worker", lease_duration=LEASE, wait_timeout=0)
+        lease = await claim_now(scheduler, "worker")
         await scheduler.release(lease, LeaseReleaseReason.COMPLETED)
         assert await scheduler.submit(make_work("w1")) is False
         assert await scheduler.pending_count() == 0
@@ -258,7 +264,7 @@ class SchedulerContract:
     async def test_it_counts_leased_work_as_no_longer_pending(self, make_scheduler, make_work):
         scheduler = make_scheduler(max_pending_items=1)
         await scheduler.submit(make_work("w1"))
-        await scheduler.claim("worker", lease_duration=LEASE, wait_timeout=0)
+        await claim_now(scheduler, "worker")
         assert await scheduler.submit(make_work("w2")) is True
 
     async def test_it_refuses_submissions_after_close(self, scheduler, make_work):
@@ -270,7 +276,7 @@ class SchedulerContract:
     # ------------------------------------------------------------------ claim
 
     async def test_it_returns_none_at_once_when_nothing_is_queued(self, scheduler):
-        assert await scheduler.claim("worker", lease_duration=LEASE, wait_timeout=0) is None
+        assert await claim_now(scheduler, "worker") is None
 
     async def test_it_returns_none_when_the_wait_times_out(self, scheduler):
         claim = scheduler.claim("worker", lease_duration=LEASE, wait_timeout=0.02)
@@ -287,7 +293,7 @@ class SchedulerContract:
     async def test_it_leases_work_to_the_claiming_worker(self, scheduler, make_work, clock):
         work = make_work("w1")
         await scheduler.submit(work)
-        lease = await scheduler.claim("worker-1", lease_duration=LEASE, wait_timeout=0)
+        lease = await claim_now(scheduler, "worker-1")
         assert isinstance(lease, WorkerLease)
         assert lease.work == work
         assert lease.worker_id == "worker-1"
@@ -298,34 +304,31 @@ class SchedulerContract:
 
     async def test_it_holds_back_work_until_it_is_available(self, scheduler, make_work, clock):
         await scheduler.submit(make_work("w1", available_at=clock.now + timedelta(seconds=5)))
-        assert await scheduler.claim("worker", lease_duration=LEASE, wait_timeout=0) is None
+        assert await claim_now(scheduler, "worker") is None
         clock.advance(5)
-        lease = await scheduler.claim("worker", lease_duration=LEASE, wait_timeout=0)
+        lease = await claim_now(scheduler, "worker")
         assert lease is not None and lease.work.work_id == "w1"
 
     async def test_it_claims_higher_priority_first(self, scheduler, make_work):
         await scheduler.submit(make_work("low", priority=-10))
         await scheduler.submit(make_work("high", priority=10))
-        lease = await scheduler.claim("worker", lease_duration=LEASE, wait_timeout=0)
+        lease = await claim_now(scheduler, "worker")
         assert lease.work.work_id == "high"
 
     async def test_it_claims_in_submit_order_within_a_priority(self, scheduler, make_work):
         for name in ("w1", "w2", "w3"):
             await scheduler.submit(make_work(name))
-        claimed = [
-            (await scheduler.claim("worker", lease_duration=LEASE, wait_timeout=0)).work.work_id
-            for _ in range(3)
-        ]
+        claimed = [(await claim_now(scheduler, "worker")).work.work_id for _ in range(3)]
         assert claimed == ["w1", "w2", "w3"]
 
     async def test_it_allows_one_live_lease_per_run(self, scheduler, make_work):
         await scheduler.submit(make_work("main", run_id="run-1"))
         await scheduler.submit(make_work("cleanup", run_id="run-1", priority=-10))
-        first = await scheduler.claim("worker", lease_duration=LEASE, wait_timeout=0)
+        first = await claim_now(scheduler, "worker")
         assert first.work.work_id == "main"
-        assert await scheduler.claim("worker", lease_duration=LEASE, wait_timeout=0) is None
+        assert await claim_now(scheduler, "worker") is None
         await scheduler.release(first, LeaseReleaseReason.COMPLETED)
-        second = await scheduler.claim("worker", lease_duration=LEASE, wait_timeout=0)
+        second = await claim_now(scheduler, "worker")
         assert second.work.work_id == "cleanup"
 
     async def test_it_skips_a_run_with_a_live_lease_without_blocking_the_tenant(
@@ -334,27 +337,24 @@ class SchedulerContract:
         await scheduler.submit(make_work("main", run_id="run-1"))
         await scheduler.submit(make_work("cleanup", run_id="run-1"))
         await scheduler.submit(make_work("other", run_id="run-2"))
-        await scheduler.claim("worker", lease_duration=LEASE, wait_timeout=0)
-        lease = await scheduler.claim("worker", lease_duration=LEASE, wait_timeout=0)
+        await claim_now(scheduler, "worker")
+        lease = await claim_now(scheduler, "worker")
         assert lease.work.work_id == "other"
 
     async def test_it_keeps_a_tenant_under_its_active_limit(self, scheduler, make_work):
         policy = SchedulerClaimPolicy(max_active_per_tenant=1)
         await scheduler.submit(make_work("a1", tenant_id="alice"))
         await scheduler.submit(make_work("a2", tenant_id="alice"))
-        await scheduler.claim("worker", lease_duration=LEASE, policy=policy, wait_timeout=0)
-        assert (
-            await scheduler.claim("worker", lease_duration=LEASE, policy=policy, wait_timeout=0)
-            is None
-        )
+        await claim_now(scheduler, "worker", policy=policy)
+        assert await claim_now(scheduler, "worker", policy=policy) is None
 
     async def test_it_claims_another_tenant_while_one_is_saturated(self, scheduler, make_work):
         policy = SchedulerClaimPolicy(max_active_per_tenant=1, order="oldest")
         await scheduler.submit(make_work("a1", tenant_id="alice"))
         await scheduler.submit(make_work("a2", tenant_id="alice", priority=50))
         await scheduler.submit(make_work("b1", tenant_id="bob"))
-        first = await scheduler.claim("w", lease_duration=LEASE, policy=policy, wait_timeout=0)
-        second = await scheduler.claim("w", lease_duration=LEASE, policy=policy, wait_timeout=0)
+        first = await claim_now(scheduler, "w", policy=policy)
+        second = await claim_now(scheduler, "w", policy=policy)
         assert (first.work.work_id, second.work.work_id) == ("a2", "b1")
 
     async def test_it_lets_a_tenant_with_one_item_claim_second_behind_a_thousand(
@@ -364,8 +364,8 @@ class SchedulerContract:
         for i in range(1000):
             await scheduler.submit(make_work(f"a{i}", tenant_id="alice"))
         await scheduler.submit(make_work("b0", tenant_id="bob"))
-        first = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
-        second = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        first = await claim_now(scheduler, "w")
+        second = await claim_now(scheduler, "w")
         assert (first.work.tenant_id, second.work.tenant_id) == ("alice", "bob")
 
     async def test_it_serves_oldest_first_under_the_plain_order(self, scheduler, make_work):
@@ -374,10 +374,7 @@ class SchedulerContract:
             await scheduler.submit(make_work(f"a{i}", tenant_id="alice"))
         await scheduler.submit(make_work("b0", tenant_id="bob"))
         tenants = [
-            (
-                await scheduler.claim("w", lease_duration=LEASE, policy=policy, wait_timeout=0)
-            ).work.tenant_id
-            for _ in range(4)
+            (await claim_now(scheduler, "w", policy=policy)).work.tenant_id for _ in range(4)
         ]
         assert tenants == ["alice", "alice", "alice", "bob"]
 
@@ -387,19 +384,13 @@ class SchedulerContract:
         for i in range(3):
             await scheduler.submit(make_work(f"b{i}", tenant_id="bob"))
         await scheduler.submit(make_work("c0", tenant_id="carol"))
-        tenants = [
-            (await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)).work.tenant_id
-            for _ in range(5)
-        ]
+        tenants = [(await claim_now(scheduler, "w")).work.tenant_id for _ in range(5)]
         assert tenants == ["alice", "bob", "carol", "alice", "bob"]
 
     async def test_it_draws_fencing_tokens_from_one_increasing_sequence(self, scheduler, make_work):
         for name in ("w1", "w2", "w3"):
             await scheduler.submit(make_work(name, tenant_id=name))
-        tokens = [
-            (await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)).fencing_token
-            for _ in range(3)
-        ]
+        tokens = [(await claim_now(scheduler, "w")).fencing_token for _ in range(3)]
         assert tokens == sorted(tokens) and len(set(tokens)) == 3
 
     # ------------------------------------------------------------------ renew / release
@@ -423,7 +414,7 @@ class SchedulerContract:
     async def test_it_refuses_to_renew_a_superseded_lease(self, scheduler, make_work, clock):
         old = await leased(scheduler, make_work, "w1")
         clock.advance(31)
-        new = await scheduler.claim("w2", lease_duration=LEASE, wait_timeout=0)
+        new = await claim_now(scheduler, "w2")
         assert new.fencing_token == old.fencing_token + 1
         with pytest.raises(SageError) as info:
             await scheduler.renew(old, lease_duration=LEASE)
@@ -432,7 +423,7 @@ class SchedulerContract:
     async def test_it_requeues_released_work_with_the_next_attempt(self, scheduler, make_work):
         lease = await leased(scheduler, make_work, "w1")
         await scheduler.release(lease, LeaseReleaseReason.WORKER_SHUTDOWN, requeue=True)
-        again = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        again = await claim_now(scheduler, "w")
         assert again.work.attempt == 2
         assert again.fencing_token > lease.fencing_token
 
@@ -440,7 +431,7 @@ class SchedulerContract:
         lease = await leased(scheduler, make_work, "w1")
         await scheduler.release(lease, LeaseReleaseReason.COMPLETED)
         assert await scheduler.pending_count() == 0
-        assert await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0) is None
+        assert await claim_now(scheduler, "w") is None
 
     async def test_it_rejects_releasing_a_stale_lease(self, scheduler, make_work, clock):
         lease = await leased(scheduler, make_work, "w1")
@@ -483,7 +474,7 @@ class SchedulerContract:
         assert await scheduler.cancel("w1") is True
         assert await scheduler.cancel("w1") is False
         assert await scheduler.pending_count() == 0
-        assert await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0) is None
+        assert await claim_now(scheduler, "w") is None
 
     async def test_it_reports_cancelling_unknown_work(self, scheduler):
         assert await scheduler.cancel("nope") is False
@@ -499,25 +490,25 @@ class SchedulerContract:
         policy = SchedulerClaimPolicy(max_active_per_tenant=1)
         await scheduler.submit(make_work("a1"))
         await scheduler.submit(make_work("a2"))
-        await scheduler.claim("w", lease_duration=LEASE, policy=policy, wait_timeout=0)
+        await claim_now(scheduler, "w", policy=policy)
         await scheduler.cancel("a1")
-        lease = await scheduler.claim("w", lease_duration=LEASE, policy=policy, wait_timeout=0)
+        lease = await claim_now(scheduler, "w", policy=policy)
         assert lease.work.work_id == "a2"
 
     async def test_it_cancels_delayed_work(self, scheduler, make_work, clock):
         await scheduler.submit(make_work("w1", available_at=clock.now + timedelta(hours=1)))
         assert await scheduler.cancel("w1") is True
         clock.advance(7200)
-        assert await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0) is None
+        assert await claim_now(scheduler, "w") is None
 
     async def test_it_reaps_expired_leases_with_the_next_attempt(self, scheduler, make_work, clock):
         await scheduler.submit(make_work("w1", tenant_id="alice"))
         await scheduler.submit(make_work("w2", tenant_id="bob"))
-        first = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        first = await claim_now(scheduler, "w")
         await scheduler.claim("w", lease_duration=timedelta(seconds=60), wait_timeout=0)
         clock.advance(30)
         assert await scheduler.reap_expired() == 1
-        again = await scheduler.claim("w", lease_duration=LEASE, wait_timeout=0)
+        again = await claim_now(scheduler, "w")
         assert again.work.work_id == first.work.work_id
         assert again.work.attempt == 2
 
@@ -534,7 +525,7 @@ class SchedulerContract:
         policy = SchedulerClaimPolicy(max_active_per_tenant=1)
         await scheduler.submit(make_work("a1"))
         await scheduler.submit(make_work("a2"))
-        held = await scheduler.claim("w", lease_duration=LEASE, policy=policy, wait_timeout=0)
+        held = await claim_now(scheduler, "w", policy=policy)
         waiting = scheduler.claim("w", lease_duration=LEASE, policy=policy, wait_timeout=BOUND)
         lease = await claim_woken_by_release(waiting, scheduler, held)
         assert lease.work.work_id == "a2"
@@ -580,19 +571,19 @@ class SchedulerContract:
         await chat.submit(make_work("c1", tenant_id="alice"))
         await chat.submit(make_work("c2", tenant_id="bob"))
         await managed.submit(make_work("m1", tenant_id="carol"))
-        assert await chat.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
-        assert await chat.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
-        assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is None
+        assert await claim_now(chat, "w") is not None
+        assert await claim_now(chat, "w") is not None
+        assert await claim_now(managed, "w") is None
 
     async def test_it_shares_the_tenant_limit_across_group_members(self, group_members, make_work):
         chat, managed = group_members(8, 1, 100)
         await chat.submit(make_work("c1", tenant_id="alice"))
         await managed.submit(make_work("m1", tenant_id="alice"))
         await managed.submit(make_work("m2", tenant_id="bob"))
-        await chat.claim("w", lease_duration=LEASE, wait_timeout=0)
-        lease = await managed.claim("w", lease_duration=LEASE, wait_timeout=0)
+        await claim_now(chat, "w")
+        lease = await claim_now(managed, "w")
         assert lease.work.work_id == "m2"
-        assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is None
+        assert await claim_now(managed, "w") is None
 
     async def test_it_shares_the_pending_limit_across_group_members(self, group_members, make_work):
         chat, managed = group_members(8, 2, 2)
@@ -609,7 +600,7 @@ class SchedulerContract:
         chat, managed = group_members(1, 1, 100)
         await chat.submit(make_work("c1", tenant_id="alice"))
         await managed.submit(make_work("m1", tenant_id="bob"))
-        held = await chat.claim("w", lease_duration=LEASE, wait_timeout=0)
+        held = await claim_now(chat, "w")
         waiting = managed.claim("w", lease_duration=LEASE, wait_timeout=BOUND)
         lease = await claim_woken_by_release(waiting, chat, held)
         assert lease.work.work_id == "m1"
@@ -622,15 +613,15 @@ class SchedulerContract:
         with pytest.raises(asyncio.CancelledError):
             await waiter
         await managed.submit(make_work("m1"))
-        assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
+        assert await claim_now(managed, "w") is not None
 
     async def test_it_returns_the_capacity_of_a_closed_member(self, group_members, make_work):
         chat, managed = group_members(1, 1, 1)
         await chat.submit(make_work("c1"))
-        await chat.claim("w", lease_duration=LEASE, wait_timeout=0)
+        await claim_now(chat, "w")
         await chat.close()
         await managed.submit(make_work("m1"))
-        assert await managed.claim("w", lease_duration=LEASE, wait_timeout=0) is not None
+        assert await claim_now(managed, "w") is not None
 
     async def test_it_never_exceeds_group_quotas_under_a_claim_storm(
         self, make_scheduler, make_work
@@ -801,9 +792,7 @@ class FencedExecutionContract:
         await scheduler.submit(make_work("w2"))
         write, gate = await mid_write(scheduler, lease)
         clock.advance(31)
-        assert (
-            await scheduler.claim("w", lease_duration=LEASE, policy=policy, wait_timeout=0) is None
-        )
+        assert await claim_now(scheduler, "w", policy=policy) is None
         gate.set()
         await within(write)
 

@@ -85,6 +85,42 @@ def _a_fresh_worker_finishes(
     assert fresh.terminate() == 0, fresh.tail()
 
 
+def _a_fresh_worker_ends(
+    worker_processes: WorkerProcesses,
+    run: Run,
+    status: str = RunStatus.COMPLETED,
+    *,
+    message: str,
+    **env: str,
+) -> Run:
+    """A worker named ``fresh`` ends ``run`` and stops cleanly; the run ended exactly once,
+    ``status``, in a session whose events are contiguous. Returns the ended run."""
+    _a_fresh_worker_finishes(worker_processes, lambda: _is_terminal(run.pk), message=message, **env)
+    ended = assert_ended_once(run.pk, status)
+    assert_contiguous(run.session_id)
+    return ended
+
+
+def _the_reaper_ends(
+    worker_processes: WorkerProcesses,
+    upstream: UpstreamServer,
+    run: Run,
+    status: str,
+    events: list[str],
+    *,
+    message: str,
+    **env: str,
+) -> Run:
+    """A fresh worker's reaper ends the dead worker's ``run`` (see `_a_fresh_worker_ends`)
+    without executing it: no request reaches ``upstream``, and the run's events are then
+    ``events``. Returns the ended run."""
+    requests = len(upstream.requests)
+    ended = _a_fresh_worker_ends(worker_processes, run, status, message=message, **env)
+    assert len(upstream.requests) == requests
+    assert_events(run.pk, events)
+    return ended
+
+
 def _gpt_package(user, upstream: UpstreamServer, name: str = "faults") -> None:
     """A package whose agent's model is the loopback upstream (OpenAI protocol)."""
     if not ModelRecord.objects.filter(owner=None, name="gpt").exists():
@@ -370,19 +406,17 @@ def test_a_run_whose_workers_keep_dying_fails_once_when_its_crash_budget_is_used
         left = now
     assert len(upstream.requests) == 2
 
-    _a_fresh_worker_finishes(
+    ended = _the_reaper_ends(
         worker_processes,
-        lambda: _is_terminal(run.pk),
+        upstream,
+        run,
+        RunStatus.FAILED,
+        [*left, "run.failed"],
         message="the fresh worker to reap the run whose crash budget is used up",
         **budget,
     )
-
-    ended = assert_ended_once(run.pk, RunStatus.FAILED)
     assert ended.error["code"] == "execution.worker_restarted"
     assert (ended.attempts, ended.crashes) == (2, 2)
-    assert len(upstream.requests) == 2
-    assert_contiguous(run.session_id)
-    assert_events(run.pk, [*left, "run.failed"])
 
 
 def test_a_run_cancelled_while_its_worker_is_dead_ends_cancelled_once(
@@ -399,18 +433,17 @@ def test_a_run_cancelled_while_its_worker_is_dead_ends_cancelled_once(
     asked = services.run_cancel(run=Run.objects.get(pk=run.pk))
     assert (asked.status, asked.cancel_requested) == (RunStatus.RUNNING, True)
     expire_leases(doomed)
+    assert len(upstream.requests) == 1
 
-    _a_fresh_worker_finishes(
+    ended = _the_reaper_ends(
         worker_processes,
-        lambda: _is_terminal(run.pk),
+        upstream,
+        run,
+        RunStatus.CANCELLED,
+        [*left, "run.cancelled"],
         message="the fresh worker to end the cancelled run of the dead worker",
     )
-
-    ended = assert_ended_once(run.pk, RunStatus.CANCELLED)
     assert ended.error["code"] == "run.cancelled"
-    assert len(upstream.requests) == 1
-    assert_contiguous(run.session_id)
-    assert_events(run.pk, [*left, "run.cancelled"])
 
 
 # ------------------------------------------------------------------------------ suspension
@@ -506,15 +539,12 @@ def test_a_worker_killed_between_a_tool_call_and_its_result(
     assert_events(run.pk, [*FIRST, "assistant", "tool.call.started"])
     expire_leases(doomed)
 
-    _a_fresh_worker_finishes(
+    ended = _a_fresh_worker_ends(
         worker_processes,
-        lambda: _is_terminal(run.pk),
+        run,
         message="the fresh worker to finish the run whose tool call was interrupted",
     )
-
-    ended = assert_ended_once(run.pk)
     assert ended.result["text"] == "It is 42."
-    assert_contiguous(run.session_id)
     assert_events(
         run.pk,
         [

@@ -34,9 +34,6 @@ from scheduling.store import (
 
 BOUND = 20.0  # seconds: a broken store fails the test instead of hanging it
 
-storage = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
-
-
 # -- helpers --------------------------------------------------------------------------
 
 # The lease of a seeded session's running run.
@@ -78,6 +75,13 @@ def _seed_session(owner: Any, events: int, *, run: bool = False) -> tuple[Sessio
 
 
 seed_session = sync_to_async(_seed_session)
+
+
+async def seed_loaded(coordinator: SessionStoreCoordinator, owner: Any, events: int = 0) -> Session:
+    """A seeded session of ``events`` events whose history ``coordinator`` has loaded."""
+    session, _ = await seed_session(owner, events)
+    await coordinator.history(session.id)
+    return session
 
 
 async def seed_leased(owner: Any, events: int = 0) -> tuple[Session, Run, Fence]:
@@ -246,8 +250,7 @@ async def test_it_appends_one_event_to_a_long_session_with_constant_statements(a
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
 async def test_it_issues_no_statement_when_nothing_is_new(alice, coordinator):
-    session, _ = await seed_session(alice, 50)
-    await coordinator.history(session.id)
+    session = await seed_loaded(coordinator, alice, 50)
 
     result, queries = await capture(coordinator, session.id, lambda: coordinator.commit(session.id))
 
@@ -261,8 +264,7 @@ async def test_it_issues_no_statement_when_nothing_is_new(alice, coordinator):
 async def test_it_replaces_the_rows_with_one_delete_and_a_full_reinsert_after_truncation(
     alice, coordinator
 ):
-    session, _ = await seed_session(alice, 60)
-    await coordinator.history(session.id)
+    session = await seed_loaded(coordinator, alice, 60)
 
     result, queries = await capture(
         coordinator, session.id, lambda: coordinator.truncate(session.id, length=20)
@@ -278,8 +280,7 @@ async def test_it_replaces_the_rows_with_one_delete_and_a_full_reinsert_after_tr
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
 async def test_it_keeps_the_persisted_counter_when_the_transaction_fails(alice, coordinator):
-    session, _ = await seed_session(alice, 5)
-    await coordinator.history(session.id)
+    session = await seed_loaded(coordinator, alice, 5)
     # A row the coordinator does not know about takes seq 6: the insert must fail.
     await sync_to_async(Event.objects.create)(session=session, seq=6, type="intruder")
 
@@ -357,9 +358,7 @@ async def test_it_rejects_only_the_stale_commit_in_a_group_commit(alice, coordin
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
 async def test_it_rejects_only_the_commit_whose_rows_collide_in_a_group_commit(alice, coordinator):
-    sessions = [(await seed_session(alice, 2))[0] for _ in range(3)]
-    for session in sessions:
-        await coordinator.history(session.id)
+    sessions = [await seed_loaded(coordinator, alice, 2) for _ in range(3)]
     # Seq 3 of the middle session exists behind the coordinator's back: its insert fails,
     # the batched statements fail, and the batch is redone commit by commit.
     await sync_to_async(Event.objects.create)(session=sessions[1], seq=3, type="intruder")
@@ -382,9 +381,7 @@ async def test_it_rejects_only_the_commit_whose_rows_collide_in_a_group_commit(a
 async def test_it_gives_each_commit_its_own_transaction_without_group_commit(alice):
     coordinator = SessionStoreCoordinator(writers=1, group_commit=False)
     try:
-        sessions = [(await seed_session(alice, 0))[0] for _ in range(3)]
-        for session in sessions:
-            await coordinator.history(session.id)
+        sessions = [await seed_loaded(coordinator, alice) for _ in range(3)]
         async with WriterGate(coordinator, sessions[0].id) as gate:
             tasks = [
                 asyncio.create_task(coordinator.commit(s.id, drafts=[("m", {})])) for s in sessions
@@ -419,8 +416,7 @@ async def test_it_keeps_a_sessions_sequence_contiguous_under_concurrent_commits(
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
 async def test_it_finishes_the_write_when_the_caller_is_cancelled(alice, coordinator):
-    session, _ = await seed_session(alice, 1)
-    await coordinator.history(session.id)
+    session = await seed_loaded(coordinator, alice, 1)
 
     async with WriterGate(coordinator, session.id) as gate:
         task = asyncio.create_task(coordinator.commit(session.id, drafts=[("m", {"n": 2})]))
