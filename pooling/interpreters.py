@@ -92,8 +92,11 @@ running = False
 
 
 def on_sigint(signum, frame):
-    # Interrupts only ever abort a running snippet, never the protocol loop.
+    # Interrupts only ever abort a running snippet, never the protocol loop: the first one
+    # disarms itself, so another arriving while the snippet's error is written is ignored.
+    global running
     if running:
+        running = False
         raise KeyboardInterrupt
 
 
