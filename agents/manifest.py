@@ -62,7 +62,9 @@ _DEVICE_NAMES = frozenset(
 _RESERVED_ROOT_FILES = frozenset({"sage.yaml", "sage.yml", "sage.json"})
 
 _TOP_KEYS = frozenset({"name", "version", "entrypoint", "agents", "flows", "files"})
-_AGENT_KEYS = frozenset({"model", "instructions", "tools", "skills", "subagents", "max_steps"})
+_AGENT_KEYS = frozenset(
+    {"model", "instructions", "tools", "skills", "subagents", "max_steps", "approval"}
+)
 _FLOW_KEYS = frozenset({"start", "nodes", "edges"})
 _EDGE_KEYS = frozenset({"from", "to", "when"})
 _NODE_KEYS: dict[str, frozenset[str]] = {
@@ -475,6 +477,16 @@ def _normalize_agents(
             ),
             "max_steps": max_steps,
         }
+        # Tools whose calls wait for the user's approval: kept only when some are named, so
+        # the refs of manifests without them stay what they were.
+        approval = _str_list(spec.get("approval"), f"{where}.approval", problems, "tool")
+        for index, tool in enumerate(approval):
+            if tool not in agents[agent_id]["tools"]:
+                problems.add(
+                    f"{where}.approval.{index}", f"{tool!r} is not one of the agent's tools"
+                )
+        if approval:
+            agents[agent_id]["approval"] = approval
     # References are checked once every id is known, so order in the manifest is free.
     for agent_id, agent in agents.items():
         for index, sub in enumerate(agent["subagents"]):

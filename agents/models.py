@@ -173,3 +173,20 @@ class JobRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} job {self.job_id}"
+
+
+class ThreadMetadata(models.Model):
+    """The metadata a LangGraph client keeps on a thread (``agents.protocols.langgraph``: a
+    thread is a Session): what ``threads.create`` and ``threads.update`` stored. A thread
+    without any has no row."""
+
+    session = models.OneToOneField(
+        "scheduling.Session",
+        on_delete=models.CASCADE,
+        primary_key=True,
+        related_name="thread_metadata",
+    )
+    metadata = models.JSONField(default=dict, blank=True)
+
+    def __str__(self) -> str:
+        return f"metadata of thread {self.session_id}"

@@ -1,0 +1,191 @@
+"""What the protocol layers share (``agents/protocols/openai.py``, the LangGraph layer).
+
+- **Assistants.** Every package version a user may use (``AgentPackage.objects.usable_by``;
+  a name means what ``package_resolve`` says: their own version first, then a shared one)
+  offers one assistant per agent and per flow, with the id ``<package>/<agent>``; the
+  package name alone is its entrypoint.
+- **Sessions opened with earlier turns.** A client that sends a whole conversation gets a
+  fresh session whose earlier turns are imported as durable ``message.completed`` events
+  of no run (``imported: true``), so the agent's history is exactly what the client sent;
+  the last user message becomes the run's input.
+- **Following one run** (`follow_run`): ``scheduling.live.follow`` narrowed to one run's
+  durable events and live deltas, ending with its terminal event.
+- **Answers that wait for a run** (`DeferredResponse`): computed on the event loop, never
+  holding one of the web process's request threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import transaction
+from django.http import HttpResponse, StreamingHttpResponse
+
+from agents.models import AgentPackage
+from agents.services import session_create
+from agents.services.packages import package_resolve
+from sageproject.errors import NotFoundError
+from scheduling import live, runs
+from scheduling.models import Event, Run, Session, SessionKind
+
+# Separates a package name from an agent or flow id in an assistant id (names never hold it).
+SEPARATOR = "/"
+# The events that end a run, whatever its status.
+TERMINAL_EVENTS = frozenset(runs.TERMINAL_EVENTS.values())
+# How long one `follow_run` window lasts before the run's existence is checked (seconds).
+FOLLOW_WINDOW = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Assistant:
+    """One agent or flow of a package version a user may use, under its public id."""
+
+    id: str
+    package: AgentPackage
+    agent: str
+
+    @property
+    def flow(self) -> bool:
+        """Whether the assistant is a flow (its runs' answer is the flow's output)."""
+        return self.agent in (self.package.manifest.get("flows") or {})
+
+
+def _members(package: AgentPackage) -> list[str]:
+    manifest = package.manifest
+    return [*(manifest.get("agents") or {}), *(manifest.get("flows") or {})]
+
+
+def package_assistants(package: AgentPackage) -> list[Assistant]:
+    """A package version's assistants: its entrypoint under the package name, then every
+    agent and flow as ``<package>/<id>``."""
+    found = [Assistant(package.name, package, str(package.manifest.get("entrypoint")))]
+    found += [Assistant(f"{package.name}{SEPARATOR}{m}", package, m) for m in _members(package)]
+    return found
+
+
+def assistants(user) -> list[Assistant]:
+    """Every assistant ``user`` may use, by package name (one version per name)."""
+    names = (
+        AgentPackage.objects.usable_by(user.pk)
+        .order_by("name")
+        .values_list("name", flat=True)
+        .distinct()
+    )
+    found: list[Assistant] = []
+    for name in names:
+        found += package_assistants(package_resolve(owner=user, name_or_ref=name))
+    return found
+
+
+def assistant_resolve(user, assistant_id: str) -> Assistant:
+    """The assistant ``<package>`` (its entrypoint) or ``<package>/<agent or flow>`` means
+    for ``user``; ``assistant.not_found`` (404) when there is none."""
+    name, sep, member = str(assistant_id).partition(SEPARATOR)
+    try:
+        package = package_resolve(owner=user, name_or_ref=name)
+    except NotFoundError:
+        package = None
+    if package is not None:
+        agent = member if sep else str(package.manifest.get("entrypoint"))
+        if agent in _members(package):
+            return Assistant(str(assistant_id), package, agent)
+    raise NotFoundError("assistant.not_found", f"no assistant {assistant_id!r}")
+
+
+def session_open(
+    *,
+    owner,
+    assistant: Assistant,
+    history: Iterable[tuple[str, str]] = (),
+    kind: str = SessionKind.BRANCH,
+) -> Session:
+    """A new session on ``assistant`` whose earlier turns are ``history`` — ``(role,
+    text)`` pairs, ``user`` or ``assistant`` — imported as durable events of no run, in one
+    transaction with the session."""
+    with transaction.atomic():
+        session = session_create(
+            owner=owner, package=assistant.package.ref, agent=assistant.agent, kind=kind
+        )
+        for role, text in history:
+            runs.append_event(
+                session.pk,
+                None,
+                "message.completed",
+                {"role": role, "content": text, "imported": True},
+            )
+    return session
+
+
+def run_start(run: Run) -> int:
+    """The seq after which ``run``'s durable events are: before its first event, or the
+    session's durable prefix when it has none yet (its events come later)."""
+    first = (
+        Event.objects.filter(session_id=run.session_id, run_id=run.pk)
+        .order_by("seq")
+        .values_list("seq", flat=True)
+        .first()
+    )
+    if first is not None:
+        return first - 1
+    return Session.objects.filter(pk=run.session_id).values_list("persisted_events", flat=True)[0]
+
+
+def _run_exists(run_id: Any) -> bool:
+    return Run.objects.filter(pk=run_id).exists()
+
+
+async def follow_run(session_id: Any, run_id: Any, after: int) -> AsyncIterator[Any]:
+    """One run as it happens (`scheduling.live.follow`): its durable ``Event`` rows after
+    seq ``after`` (other runs' and imported ones skipped), its live `live.Delta`\\s, and
+    `live.KeepAlive`/`live.Dropped`; ends after the run's terminal event (or when the run
+    is gone). Close it (``contextlib.aclosing``) to stop early."""
+    run = str(run_id)
+    exists = sync_to_async(_run_exists, thread_sensitive=False)
+    while True:
+        async with contextlib.aclosing(live.follow(session_id, after, FOLLOW_WINDOW)) as items:
+            async for item in items:
+                if isinstance(item, live.Delta):
+                    if item.run == run:
+                        yield item
+                elif isinstance(item, live.KeepAlive | live.Dropped):
+                    yield item
+                else:
+                    after = item.seq
+                    if str(item.run_id) == run:
+                        yield item
+                        if item.type in TERMINAL_EVENTS:
+                            return
+        if not await exists(run_id):
+            return
+
+
+class DeferredResponse(StreamingHttpResponse):
+    """An answer that waits for something (a run's end) on the event loop, never on a
+    request thread: ``compute`` (async, no arguments) returns the real ``HttpResponse``.
+
+    `settle` computes it and takes its status, headers and body. The web process's
+    handler awaits ``settle`` before it sends the status line when it supports that;
+    otherwise the body is computed while it streams, under a 200 (the status line is
+    already sent), so an error then arrives as a body only."""
+
+    def __init__(self, compute: Callable[[], Awaitable[HttpResponse]]) -> None:
+        self._compute = compute
+        self._settled: bytes | None = None
+        super().__init__(self._body(), content_type="application/json")
+
+    async def settle(self) -> None:
+        if self._settled is not None:
+            return
+        answer = await self._compute()
+        self.status_code = answer.status_code
+        for header, value in answer.items():
+            self[header] = value
+        self._settled = answer.content
+
+    async def _body(self) -> AsyncIterator[bytes]:
+        await self.settle()
+        yield self._settled or b""
