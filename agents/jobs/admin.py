@@ -13,30 +13,44 @@ from django.http import HttpRequest
 
 from agents.jobs.records import unfinished
 from agents.models import JobRecord
+from sageproject import admin_display as show
 
 
 @admin.register(JobRecord)
 class JobRecordAdmin(admin.ModelAdmin):
     list_display = [
-        "job_id",
+        "short_job_id",
         "kind",
-        "state",
-        "run",
+        "state_badge",
+        "run_link",
         "owner",
-        "output_bytes",
+        "output_size",
         "output_chunks",
         "output_truncated",
         "cancel_requested",
-        "created_at",
+        "error_code",
+        "created",
     ]
+    list_display_links = ["short_job_id"]
     list_filter = ["state", "kind", "output_truncated", "cancel_requested"]
     search_fields = ["job_id", "kind", "owner__username", "run__id"]
-    list_select_related = ["owner", "run"]
+    list_select_related = ["owner"]
     date_hierarchy = "created_at"
     ordering = ["-created_at"]
     # Every field but the key, none editable: the rows mirror the job runtime.
     readonly_fields = [f.name for f in JobRecord._meta.fields if not f.primary_key]
     actions = ["cancel_jobs"]
+
+    short_job_id = show.id_column("job_id", "job")
+    state_badge = show.badge_column("state")
+    run_link = show.id_column("run_id", "run", "scheduling_run")
+
+    @admin.display(description="output", ordering="output_bytes")
+    def output_size(self, obj: JobRecord) -> str:
+        return show.size(obj.output_bytes)
+
+    error_code = show.error_column("error")
+    created = show.time_column("created_at")
 
     def has_add_permission(self, request: HttpRequest, obj: JobRecord | None = None) -> bool:
         return False  # rows mirror the job runtime; only the runtime creates them

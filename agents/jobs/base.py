@@ -401,6 +401,19 @@ def killed_error(reason: str) -> dict[str, Any]:
     return _job_error("job.killed", f"job killed: {reason}", ErrorCategory.CANCELLED)
 
 
+def worker_lost_error() -> dict[str, Any]:
+    """The ``error`` of a job whose Celery worker stopped answering (its host died or was
+    cut off for ``SAGE_JOB_LOST_SECONDS``): it is failed, not run again (a job may have
+    side effects); the agent may start it again."""
+    return SageError(
+        "job.worker_lost",
+        "the job's worker stopped answering; the job was failed",
+        category=ErrorCategory.RESOURCE_LOST,
+        retryable=True,
+        resumable=True,
+    ).record()
+
+
 def kind_unsupported_error(kind: str) -> dict[str, Any]:
     message = f"no runner for job kind {kind!r} on this worker"
     return _job_error("job.kind_unsupported", message, ErrorCategory.VALIDATION)

@@ -16,6 +16,11 @@ Differences from the in-process runtime, all deliberate:
   poll interval late; a job that is created and ends between two polls still yields
   ``job.started`` (when it ran) before its terminal event.
 - ``close()`` kills the active jobs *this instance* submitted; other submitters' jobs go on.
+- A job whose Celery worker dies mid-job (or whose host is cut off) is failed with
+  ``job.worker_lost`` once its worker has not reported for ``SAGE_JOB_LOST_SECONDS``
+  (``agents.jobs.redis_store``): every submit, inspect and list sweeps for such jobs, and
+  the watcher sweeps every `SWEEP_SECONDS` while anyone waits, so waiters are answered and
+  the job's slot is given back.
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ from agents.jobs.redis_store import RedisJobStore, row_to_snapshot
 from sageproject.errors import UnavailableError, ValidationError
 
 logger = logging.getLogger(__name__)
+
+# While jobs are watched, lost jobs are looked for this often.
+SWEEP_SECONDS = 1.0
 
 
 class CeleryJobRuntime(JobRuntimeBase):
@@ -357,9 +365,15 @@ class CeleryJobRuntime(JobRuntimeBase):
     async def _watch_loop(self) -> None:
         # One poller for every watched job: a pipelined HGET per job per interval, instead
         # of a poll loop per waiter.
+        loop = asyncio.get_running_loop()
+        next_sweep = loop.time() + SWEEP_SECONDS
         while self._watched or self._waiters:
             ids = list(dict.fromkeys([*self._watched, *self._waiters]))
             try:
+                if loop.time() >= next_sweep:
+                    # A job whose worker died ends here (job.worker_lost), not never.
+                    next_sweep = loop.time() + SWEEP_SECONDS
+                    await self.store.sweep(self.limits)
                 states = await self.store.states(ids)
                 for job_id, state in zip(ids, states, strict=True):
                     if state is None or state != self._watched.get(job_id, state):

@@ -13,6 +13,14 @@ Keys (``P`` = key prefix):
 - ``P:idem`` hash ``run\\x1fkey`` → job id; ``P:terminal`` zset job id by end time
 - ``P:admitted``, ``P:running``, ``P:rows``, ``P:agg:bytes``, ``P:agg:chunks`` counters
 - ``P:tomb:{id}`` a purged/evicted row, kept briefly so ``wait`` can still answer
+- ``P:live`` zset job id by the time its worker must have reported by (its heartbeat)
+
+A started job carries the name of the Celery worker running it (``worker``) and is kept in
+``P:live`` while that worker beats for it (`RedisJobStore.beat`, from the task). A job whose
+worker misses its time — the host died, was cut off, or was killed mid-job — is failed
+(``job.worker_lost``) by the next sweep of any process, which gives its slot back: the
+limits keep holding across hosts. A worker that comes back finds its job ended and stops it
+(its late output and end are refused as for any terminal job).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from agents.jobs.base import (
     JobSpec,
     JobState,
     JobStream,
+    worker_lost_error,
 )
 
 TOMBSTONE_SECONDS = 600
@@ -53,6 +62,7 @@ local function evict(p, id)
   local f = redis.call('HMGET', jk, 'owner_run_id', 'idempotency_key', 'output_bytes',
                        'output_chunks')
   redis.call('ZREM', p .. ':terminal', id)
+  redis.call('ZREM', p .. ':live', id)
   if not f[1] then return 0 end
   redis.call('DECRBY', p .. ':agg:bytes', tonumber(f[3]))
   redis.call('DECRBY', p .. ':agg:chunks', tonumber(f[4]))
@@ -140,7 +150,8 @@ local running = tonumber(redis.call('GET', p .. ':running') or '0')
 if running >= tonumber(f[3]) then return 'busy' end
 redis.call('INCR', p .. ':running')
 redis.call('HSET', jk, 'state', 'running', 'slot', 1, 'started', 1,
-           'updated_at', tostring(now))
+           'updated_at', tostring(now), 'worker', ARGV[3])
+redis.call('ZADD', p .. ':live', now + tonumber(ARGV[4]), id)
 return 'started'
 """
 )
@@ -158,9 +169,43 @@ redis.call('DECR', p .. ':admitted')
 redis.call('HSET', jk, 'state', state, 'slot', 0, 'updated_at', tostring(now),
            'terminal_at', tostring(now), unpack(ARGV, 4))
 redis.call('ZADD', p .. ':terminal', now, id)
+redis.call('ZREM', p .. ':live', id)
 return 1
 """
 )
+
+# The running job's worker reports: 1 (its time moves on), or 0 when the job ended
+# meanwhile (failed as lost, or killed) — the worker then stops it.
+_BEAT = (
+    _NOW
+    + """
+local p, id = ARGV[1], ARGV[2]
+local state = redis.call('HGET', p .. ':job:' .. id, 'state')
+if state ~= 'running' and state ~= 'stopping' and state ~= 'orphaned' then
+  redis.call('ZREM', p .. ':live', id)
+  return 0
+end
+redis.call('ZADD', p .. ':live', now + tonumber(ARGV[3]), id)
+return 1
+"""
+)
+
+# Started jobs whose worker missed its time end failed (ARGV[5], the error), slot given back.
+_LOST = """
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. ':live', '-inf', now)) do
+  local jk = p .. ':job:' .. id
+  local f = redis.call('HMGET', jk, 'state', 'slot')
+  redis.call('ZREM', p .. ':live', id)
+  if f[1] == 'running' or f[1] == 'stopping' or f[1] == 'orphaned' then
+    if f[2] == '1' then redis.call('DECR', p .. ':running') end
+    redis.call('DECR', p .. ':admitted')
+    redis.call('HSET', jk, 'state', 'failed', 'slot', 0, 'updated_at', tostring(now),
+               'terminal_at', tostring(now), 'error', ARGV[5])
+    redis.call('ZADD', p .. ':terminal', now, id)
+    n = n + 1
+  end
+end
+"""
 
 # A created job dies at once ('killed'); a started one gets the cooperative flag ('stopping').
 _CANCEL = (
@@ -218,6 +263,9 @@ _SWEEP = (
 local p = ARGV[1]
 local retention, window, cap = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local n = 0
+"""
+    + _LOST
+    + """
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. ':terminal', '-inf', now - retention)) do
   n = n + evict(p, id)
 end
@@ -301,6 +349,7 @@ class RedisJobStore:
         self._orphan = client.register_script(_ORPHAN)
         self._adopt = client.register_script(_ADOPT)
         self._sweep = client.register_script(_SWEEP)
+        self._beat = client.register_script(_BEAT)
         self._purge = client.register_script(_PURGE)
 
     def key(self, *parts: str) -> str:
@@ -348,8 +397,17 @@ class RedisJobStore:
         """Append output within the caps; returns bytes accepted (-1 if the job ended)."""
         return int(await self._emit(args=[self.prefix, job_id, stream, data]))
 
-    async def start(self, job_id: str) -> str:
-        return (await self._start(args=[self.prefix, job_id])).decode()
+    async def start(self, job_id: str, *, worker: str = "", lost_seconds: float = 30) -> str:
+        """created → running when a slot is free: ``started``, ``busy`` or ``gone``.
+        ``worker`` (its name) must then `beat` within ``lost_seconds``, and again and
+        again, or the job is failed as lost."""
+        args = [self.prefix, job_id, worker, lost_seconds]
+        return (await self._start(args=args)).decode()
+
+    async def beat(self, job_id: str, lost_seconds: float) -> bool:
+        """The running job's worker is alive: its next report is due within
+        ``lost_seconds``. False when the job ended meanwhile (the worker stops it)."""
+        return bool(await self._beat(args=[self.prefix, job_id, lost_seconds]))
 
     async def finish(
         self,
@@ -378,6 +436,8 @@ class RedisJobStore:
         return (await self._adopt(args=[self.prefix, job_id, owner_run_id])).decode()
 
     async def sweep(self, limits: JobLimits) -> int:
+        """Fail the lost jobs (their worker missed its report) and evict terminal rows past
+        retention or the cap; returns how many rows changed."""
         return int(
             await self._sweep(
                 args=[
@@ -385,6 +445,7 @@ class RedisJobStore:
                     limits.retention_seconds,
                     limits.output_reconnect_window_seconds,
                     limits.max_retained_terminal_jobs,
+                    json.dumps(worker_lost_error()),
                 ]
             )
         )

@@ -10,7 +10,11 @@ state when it is not the broker's) through ``sageproject.config`` itself.
 The task is synchronous (Celery) and drives the async runner on a per-thread event loop, so
 it works with ``--pool=threads`` (recommended: jobs mostly wait on I/O or subprocesses) and
 ``--pool=prefork``. Cancellation is cooperative: a watcher polls the job's Redis cancel flag,
-sets the runner's ``cancel_event`` and cancels its task.
+sets the runner's ``cancel_event`` and cancels its task. The same watcher reports the worker
+alive for the job every third of ``SAGE_JOB_LOST_SECONDS`` (`RedisJobStore.beat`): a job
+whose worker stops reporting (killed, its host gone or cut off) is failed by any other
+process's sweep (``job.worker_lost``), and a worker that finds its job ended that way, or
+that could not report for that long, stops the job.
 """
 
 from __future__ import annotations
@@ -104,10 +108,20 @@ def _thread_store(prefix: str) -> tuple[asyncio.AbstractEventLoop, RedisJobStore
     return loop, store
 
 
-async def execute_job(store: RedisJobStore, job_id: str, runners: dict[str, Runner]) -> None:
-    """Run one admitted job to a terminal state, recording everything in ``store``."""
+async def execute_job(
+    store: RedisJobStore,
+    job_id: str,
+    runners: dict[str, Runner],
+    *,
+    worker: str = "",
+    lost_seconds: float | None = None,
+) -> None:
+    """Run one admitted job to a terminal state, recording everything in ``store``;
+    ``worker`` (this worker's name) is recorded on the job and reports for it every third
+    of ``lost_seconds`` (default ``SAGE_JOB_LOST_SECONDS``)."""
+    lost = float(lost_seconds or SETTINGS["SAGE_JOB_LOST_SECONDS"])
     while True:
-        outcome = await store.start(job_id)
+        outcome = await store.start(job_id, worker=worker, lost_seconds=lost)
         if outcome == "started":
             break
         if outcome == "gone":
@@ -133,12 +147,29 @@ async def execute_job(store: RedisJobStore, job_id: str, runners: dict[str, Runn
     cancel_event = asyncio.Event()
     work = asyncio.ensure_future(runner(spec, emit, cancel_event))
 
+    def stop_work() -> None:
+        cancel_event.set()
+        work.cancel()
+
     async def watch_cancel() -> None:
+        loop = asyncio.get_running_loop()
+        reported = loop.time()
         while not work.done():
-            if await store.cancel_requested(job_id):
-                cancel_event.set()
-                work.cancel()
-                return
+            try:
+                if await store.cancel_requested(job_id):
+                    stop_work()
+                    return
+                if loop.time() - reported >= lost / 3:
+                    if not await store.beat(job_id, lost):
+                        logger.warning("job %s ended while it ran here (lost); stopping it", job_id)
+                        stop_work()
+                        return
+                    reported = loop.time()
+            except Exception as exc:  # Redis unreachable: the job may be failed as lost
+                if loop.time() - reported >= lost:
+                    logger.warning("job %s: no report for %gs (%r); stopping it", job_id, lost, exc)
+                    stop_work()
+                    return
             await asyncio.sleep(POLL_SECONDS)
 
     watcher = asyncio.ensure_future(watch_cancel())
@@ -177,7 +208,8 @@ async def _finish_killed(store: RedisJobStore, job_id: str) -> None:
 def run_job(job_id: str, prefix: str) -> str:
     """Celery entry point: run job ``job_id`` stored under ``prefix``; returns its final state."""
     loop, store = _thread_store(prefix)
-    loop.run_until_complete(execute_job(store, job_id, RUNNERS))
+    worker = run_job.request.hostname or ""
+    loop.run_until_complete(execute_job(store, job_id, RUNNERS, worker=worker))
     state = loop.run_until_complete(store.states([job_id]))[0]
     if state is not None and not is_terminal(state):
         logger.warning("job %s left the worker in state %s", job_id, state)

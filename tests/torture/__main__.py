@@ -8,7 +8,10 @@ For each database — SQLite (a file), then PostgreSQL and MySQL/MariaDB when re
   PostgreSQL;
 - the fault tests (``tests/scheduling/test_lifecycle_faults.py``: kill -9 at every commit
   boundary and the chaos run; ``tests/scheduling/test_database_outages.py``: a frozen
-  claim and PostgreSQL restarted under load on a cluster of its own) on every database.
+  claim and PostgreSQL restarted under load on a cluster of its own) on every database;
+- the simulated hosts (``tests/hosts/test_hosts.py``: three worker hosts, 300 runs of 10
+  users, a host's link cut for longer than its lease; jobs on Celery hosts, one killed
+  mid-job) — on a PostgreSQL cluster of their own, so in the SQLite run only.
 
 Full size by default (``SAGE_TORTURE=1``: 10,000 submissions, 100 schemathesis examples
 per operation with the stateful phase, 20 kills over 400 runs); ``--reduced`` runs the
@@ -41,6 +44,8 @@ CHECKS = ["tests/torture"]
 FAULT_TESTS = [
     "tests/scheduling/test_lifecycle_faults.py",
     "tests/scheduling/test_database_outages.py",
+    # Not storage tests: their own cluster, whatever the database; run with SQLite's.
+    "tests/hosts/test_hosts.py",
 ]
 DATABASES = {"sqlite": ("SQLite", "sqlite:///:memory:"), **{
     label.lower(): (label, url) for label, url in SERVERS
