@@ -13,6 +13,8 @@ bootstrap:
 run: bootstrap
 	@$(PY) manage.py runhost --host $(HOST) --port $(PORT)
 
+# The suite also checks the OpenTelemetry spans: bootstrap installs requirements-otel.txt.
+test: export SAGE_BOOTSTRAP_EXTRAS = requirements-otel.txt
 test: bootstrap
 	@$(PY) -m tests.runner
 

@@ -25,6 +25,7 @@ from agents.models import (
 )
 from agents.services import packages
 from agents.services.reclamations import reclamation_create
+from sageproject import admin_display as show
 from sageproject.errors import SageError
 
 
@@ -80,10 +81,12 @@ class AgentPackageAdmin(admin.ModelAdmin):
         "visibility",
         "short_ref",
         "readiness",
-        "created_at",
+        "created",
     ]
     list_filter = ["active", "visibility", "name", "owner"]
     search_fields = ["name", "version", "ref", "owner__username"]
+    list_select_related = ["owner"]
+    date_hierarchy = "created_at"
     readonly_fields = ["owner", "name", "version", "ref", "manifest", "files", "created_at"]
     filter_horizontal = ["shared_with"]
     actions = [
@@ -115,9 +118,8 @@ class AgentPackageAdmin(admin.ModelAdmin):
     def has_add_permission(self, request, obj=None) -> bool:
         return False  # packages are created from manifests (API or validate_package --save)
 
-    @admin.display(description="ref")
-    def short_ref(self, obj: AgentPackage) -> str:
-        return obj.ref[:12]
+    short_ref = show.id_column("ref", "ref")
+    created = show.time_column("created_at")
 
     @admin.display(description="last readiness")
     def readiness(self, obj: AgentPackage) -> str:
@@ -171,7 +173,7 @@ def _items(values: list[str]) -> str:
 
 @admin.register(ReadinessReport)
 class ReadinessReportAdmin(admin.ModelAdmin):
-    list_display = ["package", "owner", "valid", "ready", "strict", "missing", "checked_at"]
+    list_display = ["package", "owner", "valid", "ready", "strict", "missing", "checked"]
     list_filter = ["valid", "ready", "strict"]
     search_fields = ["package__name"]
     readonly_fields = ["package", "checked_at", "valid", "ready", "strict", "agents_table"]
@@ -190,6 +192,8 @@ class ReadinessReportAdmin(admin.ModelAdmin):
     @admin.display(description="owner")
     def owner(self, obj: ReadinessReport) -> str:
         return obj.package.owner.username
+
+    checked = show.time_column("checked_at")
 
     @admin.display(description="what is missing")
     def missing(self, obj: ReadinessReport) -> str:
@@ -230,9 +234,21 @@ class ReadinessReportAdmin(admin.ModelAdmin):
 
 @admin.register(ManagedAgentRecord)
 class ManagedAgentRecordAdmin(admin.ModelAdmin):
-    list_display = ["run", "owner", "package_name", "agent_id", "status", "archived_at"]
+    list_display = [
+        "run_id_cell",
+        "status_badge",
+        "owner",
+        "package_name",
+        "agent_id",
+        "short_ref",
+        "error_code",
+        "archived",
+    ]
+    list_display_links = ["run_id_cell"]
     list_filter = ["status", "owner", "package_name"]
     search_fields = ["run__id", "owner__username", "package_name", "agent_id"]
+    list_select_related = ["owner"]
+    date_hierarchy = "archived_at"
     readonly_fields = [
         "run",
         "owner",
@@ -252,6 +268,12 @@ class ManagedAgentRecordAdmin(admin.ModelAdmin):
     def has_change_permission(self, request, obj=None) -> bool:
         return False
 
+    run_id_cell = show.id_column("run_id", "run")
+    status_badge = show.badge_column("status")
+    short_ref = show.id_column("package_ref", "ref")
+    error_code = show.error_column("error")
+    archived = show.time_column("archived_at")
+
 
 class ReleaseIdleForm(forms.Form):
     min_idle_seconds = forms.IntegerField(
@@ -270,8 +292,8 @@ class ReclamationRequestAdmin(admin.ModelAdmin):
         "status",
         "answer",
         "requested_by",
-        "created_at",
-        "finished_at",
+        "created",
+        "finished",
     ]
     list_filter = ["status", "scope"]
     readonly_fields = [
@@ -294,6 +316,9 @@ class ReclamationRequestAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request, obj=None) -> bool:
         return False
+
+    created = show.time_column("created_at")
+    finished = show.time_column("finished_at")
 
     @admin.display(description="answer")
     def answer(self, obj: ReclamationRequest) -> str:

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.tools import Tool, ToolContext, ToolError
+from agents.tools import Tool, ToolContext
+from agents.tracing import DISABLED, Tracing
 from pooling.providers.base import ModelRequest, StreamEnd, TextDelta, ToolCall, ToolSpec
 from sageproject.errors import SageError
 from scheduling.faults import crash_point
@@ -47,6 +48,34 @@ class AgentTurn:
     max_steps: int = 8
     options: Mapping[str, Any] = field(default_factory=dict)
     max_tokens: int = 1024
+    # Tools whose calls wait for the user's approval (the manifest agent's ``approval``).
+    approval: frozenset[str] = frozenset()
+
+
+# The result recorded for a call the user rejected (an approval interaction's "reject").
+REJECTED_TOOL_ERROR = "the user rejected this call"
+
+
+class ApprovalRequired(Exception):
+    """The model called a tool of ``AgentTurn.approval``: the step's message is emitted,
+    none of its calls acts, and the run suspends for the user's decision. ``calls`` is
+    every call of the step (``{"id", "name", "arguments"}``, in order), ``waiting`` the ids
+    of those that need approval; resumed, ``run_turn(approval=ApprovalReply(...))`` runs
+    the step's calls, the rejected ones answered with `REJECTED_TOOL_ERROR`."""
+
+    def __init__(self, calls: list[dict[str, Any]], waiting: list[str]) -> None:
+        names = sorted({c["name"] for c in calls if c["id"] in waiting})
+        super().__init__(f"tool calls wait for approval: {', '.join(names)}")
+        self.calls = calls
+        self.waiting = waiting
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApprovalReply:
+    """A suspended step's calls and which of them the user rejected (ids)."""
+
+    calls: tuple[ToolCall, ...]
+    rejected: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +87,8 @@ class TurnOutcome:
 
 # The result recorded for a tool call whose worker died before it answered.
 INTERRUPTED_TOOL_ERROR = "interrupted by a worker restart; the tool's effect is unknown"
+# What the model is told of a call that waited for an approval the run ended without.
+NOT_APPROVED_TOOL_ERROR = "not run: the run ended before the user approved this call"
 
 
 def unanswered_tool_calls(
@@ -73,30 +104,35 @@ def unanswered_tool_calls(
     return list(pending.values())
 
 
-def history_from_events(events: Iterable[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+def history_from_events(
+    events: Iterable[tuple[str, Mapping[str, Any]]], *, open_calls: Iterable[str] = ()
+) -> list[dict[str, Any]]:
     """Normalized messages from durable events (oldest first).
 
     Every assistant tool call is answered: a call whose worker died before its result
-    (no succeeded/failed event) gets a tool message saying so, placed before the next
-    non-tool message, so the history is always one a provider accepts.
+    (no succeeded/failed event) gets a tool message saying so — or, for a call that
+    waited for an approval never given, that it was not run — placed before the next
+    non-tool message, so the history is always one a provider accepts. The last step's
+    calls named in ``open_calls`` (an approval being answered) are left unanswered.
     """
     messages: list[dict[str, Any]] = []
     pending: dict[str, str] = {}
+    unapproved: set[str] = set()
+    left_open = set(open_calls)
 
-    def answer_pending() -> None:
+    def answer_pending(final: bool = False) -> None:
         for call_id, name in pending.items():
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": call_id,
-                    "name": name,
-                    "content": f"error: {INTERRUPTED_TOOL_ERROR}",
-                }
-            )
+            if final and call_id in left_open:
+                continue
+            error = NOT_APPROVED_TOOL_ERROR if call_id in unapproved else INTERRUPTED_TOOL_ERROR
+            answer = {"role": "tool", "tool_call_id": call_id, "name": name}
+            messages.append({**answer, "content": f"error: {error}"})
         pending.clear()
 
     for etype, payload in events:
-        if etype == MESSAGE_COMPLETED:
+        if etype == "interaction.requested" and payload.get("type") == "approval":
+            unapproved.update(str(c.get("id", "")) for c in payload.get("tool_calls") or ())
+        elif etype == MESSAGE_COMPLETED:
             answer_pending()
             message = {
                 "role": payload.get("role", "assistant"),
@@ -122,22 +158,43 @@ def history_from_events(events: Iterable[tuple[str, Mapping[str, Any]]]) -> list
                     "content": str(content),
                 }
             )
-    answer_pending()
+    answer_pending(final=True)
     return messages
 
 
-async def _call_tool(tool: Tool | None, call: ToolCall, ctx: ToolContext) -> tuple[bool, str]:
-    if tool is None:
-        return False, f"unknown tool {call.name!r}"
-    try:
-        output = await tool.handler(dict(call.arguments), ctx)
-    except ToolError as exc:
-        return False, exc.message
-    except SageError as exc:
-        return False, exc.message
-    if not isinstance(output, str):
-        output = json.dumps(output, default=str)
-    return True, output[:MAX_TOOL_OUTPUT_CHARS]
+async def _call_tool(
+    tool: Tool | None, call: ToolCall, ctx: ToolContext, tracing: Tracing = DISABLED
+) -> tuple[bool, str]:
+    """Run one tool call in its ``execute_tool`` span (agents/tracing.py)."""
+    with tracing.tool_call(
+        name=call.name,
+        call_id=call.id,
+        arguments=call.arguments,
+        description=tool.description if tool is not None else None,
+        conversation_id=ctx.session_id,
+        run_id=ctx.run_id,
+    ) as span:
+        if tool is None:
+            span.failed("tool.not_found")
+            return False, f"unknown tool {call.name!r}"
+        try:
+            output = await tool.handler(dict(call.arguments), ctx)
+        except SageError as exc:  # ToolError (tool.failed) and the host's own errors
+            span.failed(exc.code)
+            return False, exc.message
+        if not isinstance(output, str):
+            output = json.dumps(output, default=str)
+        output = output[:MAX_TOOL_OUTPUT_CHARS]
+        span.succeeded(output)
+        return True, output
+
+
+def _started(calls: Sequence[ToolCall], rejected: frozenset[str] = frozenset()) -> EventBatch:
+    return [
+        (TOOL_STARTED, {"id": c.id, "name": c.name, "arguments": dict(c.arguments)})
+        for c in calls
+        if c.id not in rejected
+    ]
 
 
 async def run_turn(
@@ -147,12 +204,20 @@ async def run_turn(
     call_model: CallModel,
     emit: Emit,
     ctx: ToolContext,
+    tracing: Tracing = DISABLED,
+    approval: ApprovalReply | None = None,
 ) -> TurnOutcome:
     """Run model calls and tools until the model answers without tool calls.
 
     ``history`` already ends with the user's message and is extended in place. Returns the
     final text. Raises ``MaxStepsExceeded`` or whatever ``call_model`` raises (upstream,
     budget and pool errors), after every event of the finished steps has been emitted.
+    Each tool call runs in an ``execute_tool`` span of ``tracing`` (agents/tracing.py).
+
+    A step that calls a tool of ``turn.approval`` raises `ApprovalRequired` after its
+    message is emitted, before any of its calls acts. ``approval`` resumes such a step:
+    ``history`` then ends with its message, and its calls run (the rejected ones are
+    answered with `REJECTED_TOOL_ERROR`) before the next model call.
     """
     tools_by_name = {tool.name: tool for tool in turn.tools}
     specs = tuple(
@@ -160,6 +225,34 @@ async def run_turn(
         for t in turn.tools
     )
     usage = {"input_tokens": 0, "output_tokens": 0}
+
+    async def act(calls: Sequence[ToolCall], rejected: frozenset[str] = frozenset()) -> None:
+        """Run a step's calls (their start already emitted) and emit their results."""
+        crash_point("tool.started")
+        results: EventBatch = []
+        for call in calls:
+            if call.id in rejected:
+                ok, output = False, REJECTED_TOOL_ERROR
+            else:
+                ok, output = await _call_tool(tools_by_name.get(call.name), call, ctx, tracing)
+            if ok:
+                results.append(
+                    (TOOL_SUCCEEDED, {"id": call.id, "name": call.name, "output": output})
+                )
+                content = output
+            else:
+                results.append((TOOL_FAILED, {"id": call.id, "name": call.name, "error": output}))
+                content = f"error: {output}"
+            history.append(
+                {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
+            )
+        await emit(results)
+
+    if approval is not None:
+        started = _started(approval.calls, approval.rejected)
+        if started:
+            await emit(started)
+        await act(approval.calls, approval.rejected)
     for step in range(1, turn.max_steps + 1):
         request = ModelRequest(
             model=turn.model,
@@ -187,27 +280,12 @@ async def run_turn(
             ]
         history.append(message)
         batch: EventBatch = [(MESSAGE_COMPLETED, {**message, "step": step})]
-        batch += [
-            (TOOL_STARTED, {"id": c.id, "name": c.name, "arguments": dict(c.arguments)})
-            for c in calls
-        ]
-        await emit(batch)
+        waiting = [c.id for c in calls if c.name in turn.approval]
+        if waiting:
+            await emit(batch)
+            raise ApprovalRequired(message["tool_calls"], waiting)
+        await emit(batch + _started(calls))
         if not calls:
             return TurnOutcome(text=text, steps=step, usage=usage)
-        crash_point("tool.started")
-        results: EventBatch = []
-        for call in calls:
-            ok, output = await _call_tool(tools_by_name.get(call.name), call, ctx)
-            if ok:
-                results.append(
-                    (TOOL_SUCCEEDED, {"id": call.id, "name": call.name, "output": output})
-                )
-                content = output
-            else:
-                results.append((TOOL_FAILED, {"id": call.id, "name": call.name, "error": output}))
-                content = f"error: {output}"
-            history.append(
-                {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
-            )
-        await emit(results)
+        await act(calls)
     raise MaxStepsExceeded(turn.max_steps)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import socket
@@ -43,6 +44,8 @@ from agents.engine import (
     TOOL_STARTED,
     TOOL_SUCCEEDED,
     AgentTurn,
+    ApprovalReply,
+    ApprovalRequired,
     EventBatch,
     history_from_events,
     run_turn,
@@ -55,15 +58,18 @@ from agents.jobs.runtime import build_job_runtime
 from agents.jobs.tools import JOB_TOOLS
 from agents.services import reclamations
 from agents.tools import ToolContext, ToolRegistry, build_registry
+from agents.tracing import Tracing
 from pooling import providers
 from pooling.budget import ModelConcurrencyBudget
 from pooling.clients import ModelClientPool
 from pooling.providers import load_adapter
-from pooling.providers.base import ModelRequest, TextDelta, ToolCallDelta
+from pooling.providers.base import ModelRequest, StreamEnd, TextDelta, ToolCall, ToolCallDelta
+from sageproject import logs as sage_logs
 from sageproject.db import db_call, retry_transient
 from sageproject.errors import ErrorCategory, NotFoundError, SageError
-from scheduling import live
+from scheduling import live, runs
 from scheduling.dispatcher import StopSignal
+from scheduling.figures import FIRST_TOKEN, MODEL_TOKENS, Figures
 from scheduling.leases import FenceRejected
 from scheduling.models import Run, RunStatus, run_cancelled_error, run_interrupted_error
 from scheduling.runs import Fence, Outcome, Start
@@ -100,24 +106,12 @@ class PreparedRun:
     resolution: dict[str, Any] | None = None
     # ``tool.call.failed`` events for this run's calls a crashed attempt left unanswered.
     interrupted_calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    # An answered approval: the suspended step's calls and the decision (`_approval_reply`).
+    approval: ApprovalReply | None = None
 
 
 def _user_input(value: Any) -> str:
     return value if isinstance(value, str) else str((value or {}).get("text", ""))
-
-
-# What `_prepared_from_claim` reads of a run (a claim returns at least these).
-CLAIMED_FIELDS = (
-    "pk",
-    "session_id",
-    "owner_id",
-    "input",
-    "interaction",
-    "session__package_ref",
-    "session__package_name",
-    "session__agent_id",
-    "session__kind",
-)
 
 
 def _prepared_from_claim(row: dict[str, Any]) -> PreparedRun:
@@ -131,6 +125,25 @@ def _prepared_from_claim(row: dict[str, Any]) -> PreparedRun:
         user_input=_user_input(row["input"]),
         session_kind=row["session__kind"],
         resolution=(row["interaction"] or {}).get("resolution"),
+        approval=_approval_reply(row["interaction"]),
+    )
+
+
+def _approval_reply(interaction: dict[str, Any] | None) -> ApprovalReply | None:
+    """The calls of an answered approval interaction, the waiting ones rejected when the
+    decision was ``reject``; None for anything else."""
+    interaction = interaction or {}
+    resolution = interaction.get("resolution")
+    if interaction.get("type") != "approval" or not resolution:
+        return None
+    calls = tuple(
+        ToolCall(id=c["id"], name=c["name"], arguments=c.get("arguments") or {})
+        for c in interaction.get("tool_calls") or ()
+    )
+    rejected = resolution.get("decision") == "reject"
+    return ApprovalReply(
+        calls=calls,
+        rejected=frozenset(interaction.get("waiting") or ()) if rejected else frozenset(),
     )
 
 
@@ -250,11 +263,13 @@ class _RunEvents:
 START_COMMIT_DELAY = 0.05
 
 
-def live_delta(item: Any) -> dict[str, Any] | None:
+def live_delta(item: Any, offset: int = 0) -> dict[str, Any] | None:
     """The live stream message (type and payload) for a model stream item, if any: a text
-    piece is a ``message.delta``, a piece of a tool call's arguments a ``tool_call.delta``."""
+    piece is a ``message.delta`` (with ``offset``, the characters of its model call's text
+    before it, so a client that joined late knows what it missed), a piece of a tool call's
+    arguments a ``tool_call.delta``."""
     if isinstance(item, TextDelta) and item.text:
-        return {"type": "message.delta", "payload": {"text": item.text}}
+        return {"type": "message.delta", "payload": {"text": item.text, "offset": offset}}
     if isinstance(item, ToolCallDelta) and item.arguments:
         return {
             "type": "tool_call.delta",
@@ -269,16 +284,37 @@ def live_delta(item: Any) -> dict[str, Any] | None:
 
 
 class _LeasedProvider:
-    """The provider a budget wraps: one adapter bound to one leased client."""
+    """The provider a budget wraps: one adapter bound to one leased client. It records the
+    call's time to its first streamed item and the tokens the provider reported in
+    ``metrics``; the budget calls `stream` once it holds a slot, so a wait for a slot is
+    not part of the time to first token."""
 
-    __slots__ = ("adapter", "client")
+    __slots__ = ("adapter", "client", "metrics", "model")
 
-    def __init__(self, adapter: Any, client: Any) -> None:
+    def __init__(self, adapter: Any, client: Any, metrics: Figures, model: str) -> None:
         self.adapter = adapter
         self.client = client
+        self.metrics = metrics
+        self.model = model
 
-    def stream(self, request: ModelRequest) -> AsyncIterator[Any]:
-        return self.adapter.stream(self.client, request)
+    async def stream(self, request: ModelRequest) -> AsyncIterator[Any]:
+        inner = self.adapter.stream(self.client, request)
+        sent = time.monotonic()
+        first = True
+        try:
+            async for item in inner:
+                if first:
+                    first = False
+                    self.metrics.observe(FIRST_TOKEN, time.monotonic() - sent, model=self.model)
+                if isinstance(item, StreamEnd):
+                    for kind in ("input", "output"):
+                        tokens = int(item.usage.get(f"{kind}_tokens", 0) or 0)
+                        self.metrics.count(MODEL_TOKENS, tokens, model=self.model, type=kind)
+                yield item
+        finally:
+            aclose = getattr(inner, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 class RunExecutor:
@@ -299,8 +335,12 @@ class RunExecutor:
         service: AgentManagementService | None = None,
         code_tools: CodeToolsRuntime | None = None,
         jobs: Any | None = None,
+        tracer_provider: Any | None = None,
     ) -> None:
         sage = settings.SAGE
+        # OpenTelemetry spans (agents/tracing.py): the global tracer provider unless one is
+        # given; nothing at all without the opentelemetry package.
+        self.tracing = Tracing(tracer_provider, capture_content=sage["SAGE_OTEL_CAPTURE_CONTENT"])
         self.code_tools = code_tools if code_tools is not None else CodeToolsRuntime.from_settings()
         self.tools = tools or build_registry(settings.SAGE_TOOL_MODULES, extra=JOB_TOOLS)
         # One job runtime per worker process, shared by every run; built in start(), closed
@@ -331,6 +371,9 @@ class RunExecutor:
         self.worker_tag = f"{socket.gethostname()}:{os.getpid()}"
         self.swept = 0
         self._pool_snapshot: dict[str, Any] = {}
+        self._job_stats: dict[str, Any] = {}
+        # Time to first token and tokens per model here; the worker adds its own (/metrics).
+        self.metrics = Figures()
         # When each resident Application's model records were last compared with the
         # database (see `_current_agents`).
         self._records_checked: dict[Any, float] = {}
@@ -348,7 +391,7 @@ class RunExecutor:
         await self.code_tools.start()
         if self.jobs is None:
             self.jobs = build_job_runtime(on_event=JobEventRecorder())
-        self._pool_snapshot = await self.pool.snapshot()
+        await self._refresh()
         self._tasks = [
             asyncio.create_task(self._refresh_loop(), name="executor-capacity"),
             asyncio.create_task(self._reclamation_loop(), name="executor-reclamations"),
@@ -380,12 +423,24 @@ class RunExecutor:
                 await self.jobs.close()
             except Exception as exc:
                 logger.warning("closing the job runtime: %s", exc)
+        await self._refresh()  # the last snapshot shows what closing left
+
+    async def _refresh(self) -> None:
+        """The model client pool's and the job runtime's figures, for `capacity`."""
+        self._pool_snapshot = await self.pool.snapshot()
+        stats = getattr(self.jobs, "stats", None)
+        if stats is not None:
+            try:
+                figures = stats()
+                self._job_stats = dict(await figures if inspect.isawaitable(figures) else figures)
+            except Exception as exc:  # Celery's are in Redis: a hiccup must not stop the loop
+                logger.warning("reading the job runtime's figures: %s", exc)
 
     async def _refresh_loop(self) -> None:
         rounds = 0
         while True:
             await asyncio.sleep(1.0)
-            self._pool_snapshot = await self.pool.snapshot()
+            await self._refresh()
             rounds += 1
             if rounds % UNFINISHED_REFRESH_EVERY == 0:
                 await self.service.refresh_unfinished()
@@ -424,7 +479,10 @@ class RunExecutor:
             "tools": self.tools.names(),
             "management": self.service.capacity(),
             "code_tools": self.code_tools.capacity(),
-            "jobs": {"runtime": type(self.jobs).__name__ if self.jobs is not None else None},
+            "jobs": {
+                "runtime": type(self.jobs).__name__ if self.jobs is not None else None,
+                **self._job_stats,
+            },
         }
 
     # --- preparation --------------------------------------------------------------
@@ -446,7 +504,10 @@ class RunExecutor:
         own = [(e.type, e.payload) for e in events if str(e.run_id) == run_key]
         return dataclasses.replace(
             prepared,
-            history=history_from_events((event.type, event.payload) for event in events),
+            history=history_from_events(
+                ((event.type, event.payload) for event in events),
+                open_calls=[c.id for c in prepared.approval.calls] if prepared.approval else (),
+            ),
             first_attempt=not any(etype == "run.started" for etype, _ in own),
             interrupted_calls=[
                 (
@@ -463,7 +524,8 @@ class RunExecutor:
 
     def _prepare_sync(self, run_id: Any) -> PreparedRun:
         """The run's fields as a claim reads them, for a run given without them."""
-        return _prepared_from_claim(Run.objects.values(*CLAIMED_FIELDS).get(pk=run_id))
+        fields = ("pk", "owner_id", *runs.CLAIMED_FIELDS)
+        return _prepared_from_claim(Run.objects.values(*fields).get(pk=run_id))
 
     async def _current_agents(self, app: Application) -> dict[str, PreparedAgent]:
         """The Application's agents with model records re-read where they changed: a
@@ -494,19 +556,31 @@ class RunExecutor:
     ) -> AsyncIterator[Any]:
         """One model call: a client leased for this user and record, one budget slot
         held for the whole stream. Pool-full and budget errors are raised before any
-        request reaches the provider."""
-        adapter = await load_adapter(record.protocol)
-        async with await self.pool.acquire(owner_id, record) as lease:
-            bounded = self.budget.wrap(_LeasedProvider(adapter, lease.provider))
-            async for item in bounded.stream(request):
-                if run is not None:
-                    # Live to stream clients; never persisted (the complete message is).
-                    delta = live_delta(item)
-                    if delta is not None:
-                        live.publish(
-                            {"session": str(run.session_id), "run": str(run.run_id), **delta}
-                        )
-                yield item
+        request reaches the provider. Traced as a ``chat`` span (agents/tracing.py)."""
+        with self.tracing.model_call(
+            protocol=record.protocol,
+            base_url=record.base_url,
+            request=request,
+            conversation_id=str(run.session_id) if run is not None else None,
+            run_id=str(run.run_id) if run is not None else None,
+        ) as span:
+            adapter = await load_adapter(record.protocol)
+            async with await self.pool.acquire(owner_id, record) as lease:
+                leased = _LeasedProvider(adapter, lease.provider, self.metrics, record.model)
+                bounded = self.budget.wrap(leased)
+                streamed = 0  # characters of this call's text already sent live
+                async for item in bounded.stream(request):
+                    span.observe(item)
+                    if run is not None:
+                        # Live to stream clients; never persisted (the complete message is).
+                        delta = live_delta(item, offset=streamed)
+                        if delta is not None:
+                            live.publish(
+                                {"session": str(run.session_id), "run": str(run.run_id), **delta}
+                            )
+                        if isinstance(item, TextDelta):
+                            streamed += len(item.text)
+                    yield item
 
     def _turn(self, agent: PreparedAgent) -> AgentTurn:
         return AgentTurn(
@@ -533,6 +607,8 @@ class RunExecutor:
         Raises ``CancelledError`` only when the worker cancels for ``shutdown`` or
         ``lease_lost``: then nothing terminal is written and the run is requeued.
         """
+        # Everything this run's task logs carries its ids (sageproject.logs).
+        sage_logs.bind(run_id=run_id, worker_id=fence.lease_owner)
         try:
             # The database restarting while a run is prepared delays it; it never fails it.
             prepared = await retry_transient(
@@ -547,7 +623,16 @@ class RunExecutor:
                 )
             )
             return Outcome(status=RunStatus.FAILED, session_id=None, error=error.record())
+        sage_logs.bind(session_id=prepared.session_id)
         async with contextlib.AsyncExitStack() as stack:
+            # The run's `invoke_agent` span (agents/tracing.py): model and tool calls nest in it.
+            span = stack.enter_context(
+                self.tracing.run(
+                    agent=prepared.agent_id,
+                    conversation_id=str(prepared.session_id),
+                    run_id=str(prepared.run_id),
+                )
+            )
             try:
                 app = await stack.enter_async_context(
                     self.service.application(
@@ -557,17 +642,22 @@ class RunExecutor:
             except asyncio.CancelledError:
                 stopped = await self._stopped(stop, prepared)
                 if stopped is not None:
-                    return stopped
+                    return span.ended(stopped)
                 raise
             except SageError as exc:
                 # No Application: a full cache suspends the run (retry resumes it once an
                 # instance is released); a missing package or model record fails it.
                 if exc.code in SUSPENDING_CODES:
-                    return self._suspension(exc, prepared)
-                return Outcome(
-                    status=RunStatus.FAILED, session_id=prepared.session_id, error=exc.record()
+                    return span.ended(self._suspension(exc, prepared))
+                return span.ended(
+                    Outcome(
+                        status=RunStatus.FAILED, session_id=prepared.session_id, error=exc.record()
+                    )
                 )
-            return await self._execute_with(app, prepared, fence, stop)
+            entry = app.agents.get(prepared.agent_id)
+            if entry is not None:
+                span.model(entry.record.protocol, entry.record.model)
+            return span.ended(await self._execute_with(app, prepared, fence, stop))
         raise AssertionError("unreachable")  # the block above always returns or raises
 
     async def _stopped(self, stop: StopSignal, prepared: PreparedRun) -> Outcome | None:
@@ -624,14 +714,18 @@ class RunExecutor:
                 flow_outputs = flow.outputs
             else:
                 entry = agents[prepared.agent_id]
+                # Tools whose calls wait for the user (agent sessions; flows never wait).
+                approval = frozenset(app.manifest.agent(prepared.agent_id).get("approval", ()))
                 outcome = await run_turn(
-                    self._turn(entry),
+                    dataclasses.replace(self._turn(entry), approval=approval),
                     history,
                     call_model=lambda request: self._stream_model(
                         entry.record, prepared.owner_id, request, prepared
                     ),
                     emit=emit,
                     ctx=ctx,
+                    tracing=self.tracing,
+                    approval=prepared.approval,
                 )
                 result = {"text": outcome.text, "steps": outcome.steps, "usage": outcome.usage}
         except asyncio.CancelledError:
@@ -644,6 +738,8 @@ class RunExecutor:
             logger.warning("run %s lost its lease; its writes stop here", run_id)
             writer.abandon()
             return "lease_lost"
+        except ApprovalRequired as exc:
+            return await writer.outcome(self._approval(exc, prepared))
         except SageError as exc:
             if exc.code in SUSPENDING_CODES:
                 return await writer.outcome(self._suspension(exc, prepared))
@@ -667,6 +763,22 @@ class RunExecutor:
                 result=result,
                 flow_outputs=flow_outputs,
             )
+        )
+
+    def _approval(self, request: ApprovalRequired, prepared: PreparedRun) -> Outcome:
+        """Park the run until the user approves or rejects the step's waiting calls."""
+        logger.info("run %s suspends: %s", prepared.run_id, request)
+        interaction = {
+            "id": uuid.uuid4().hex,
+            "type": "approval",
+            "code": "run.approval_required",
+            "message": str(request),
+            "tool_calls": request.calls,
+            "waiting": request.waiting,
+            "allowed_decisions": ["approve", "reject"],
+        }
+        return Outcome(
+            status=RunStatus.SUSPENDED, session_id=prepared.session_id, interaction=interaction
         )
 
     def _suspension(self, error: SageError, prepared: PreparedRun) -> Outcome:
@@ -713,14 +825,20 @@ class RunExecutor:
                 ),
                 emit=emit,
                 ctx=ctx,
+                tracing=self.tracing,
             )
             return outcome.text
 
         async def run_tool(name: str, arguments: dict[str, Any]) -> str:
-            tool = self.tools.get(name)
-            if tool is None:
-                raise NotFoundError("tool.not_found", f"tool {name!r} is not available")
-            return str(await tool.handler(arguments, ctx))
+            with self.tracing.tool_call(
+                name=name, arguments=arguments, conversation_id=ctx.session_id, run_id=ctx.run_id
+            ) as span:
+                tool = self.tools.get(name)
+                if tool is None:
+                    raise NotFoundError("tool.not_found", f"tool {name!r} is not available")
+                output = str(await tool.handler(arguments, ctx))
+                span.succeeded(output)
+                return output
 
         async def on_event(event_type: str, payload: dict[str, Any]) -> None:
             await emit([(event_type, payload)])

@@ -10,7 +10,7 @@ guessed, and strict mode (``SAGE_REQUIRE_READINESS``) treats it like a missing r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agents.manifest import Manifest
@@ -45,16 +45,9 @@ class ReadinessResult:
         return {agent_id: report for agent_id, report in self.agents.items() if not report["ready"]}
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready form, as stored in ``ReadinessReport`` and returned by the API."""
-        return {
-            "ref": self.ref,
-            "valid": self.valid,
-            "ready": self.ready,
-            "strict": self.strict,
-            "agents": {agent_id: dict(report) for agent_id, report in self.agents.items()},
-            "flows": {flow_id: dict(report) for flow_id, report in self.flows.items()},
-            "scope": SCOPE,
-        }
+        """Plain JSON-ready form, as stored in ``ReadinessReport`` and returned by the API:
+        every field (the reports copied), then ``scope``."""
+        return {**asdict(self), "scope": SCOPE}
 
 
 def _discovery_note(kind: str, errors: dict[str, str]) -> str:

@@ -4,6 +4,7 @@ from django import forms
 from django.contrib import admin
 
 from pooling.models import RECORD_FIELDS, ModelRecord
+from sageproject import admin_display as show
 
 
 class ModelRecordForm(forms.ModelForm):
@@ -33,9 +34,11 @@ class ModelRecordForm(forms.ModelForm):
 @admin.register(ModelRecord)
 class ModelRecordAdmin(admin.ModelAdmin):
     form = ModelRecordForm
-    list_display = ["name", "protocol", "model", "base_url", "owner", "credentials", "updated_at"]
+    list_display = ["name", "protocol", "model", "endpoint", "owner_or_shared", "credentials",
+                    "updated"]
     list_filter = ["protocol", ("owner", admin.EmptyFieldListFilter)]
     search_fields = ["name", "model", "base_url", "owner__username"]
+    list_select_related = ["owner"]
     readonly_fields = ["credentials", "created_at", "updated_at"]
     fields = [
         "owner",
@@ -46,6 +49,16 @@ class ModelRecordAdmin(admin.ModelAdmin):
         "created_at",
         "updated_at",
     ]
+
+    @admin.display(description="base URL", ordering="base_url")
+    def endpoint(self, obj: ModelRecord) -> str:
+        return show.preview(obj.base_url, 48)
+
+    @admin.display(description="owner", ordering="owner")
+    def owner_or_shared(self, obj: ModelRecord) -> str:
+        return obj.owner.username if obj.owner_id else "shared"
+
+    updated = show.time_column("updated_at")
 
     @admin.display(description="credentials")
     def credentials(self, obj: ModelRecord) -> str:

@@ -7,7 +7,6 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
-from django.db import connection
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect
 from drf_spectacular.types import OpenApiTypes
@@ -18,6 +17,7 @@ from rest_framework import status as http
 from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 
+from sageproject import metrics
 from sageproject.errors import ErrorCategory, SageError, envelope
 from sageproject.parsers import int_schema, query_int
 
@@ -80,6 +80,7 @@ def _summary(fields: Any) -> str:
 def sage_error_response(error: SageError) -> Response:
     response = Response(error.to_dict(), status=error.http_status)
     if error.category == ErrorCategory.RATE_LIMITED:
+        metrics.rate_limited(error.code)
         retry_after = error.details.get("retry_after") or 1
         response["Retry-After"] = str(max(1, int(float(retry_after) + 0.999)))
     return response
@@ -186,14 +187,31 @@ def home(request: HttpRequest) -> HttpResponse:
 
 
 def healthz(request: HttpRequest) -> HttpResponse:
-    """Liveness plus a database round trip; no authentication, no details."""
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT 1")
-    except Exception as exc:  # the point is to report it, not to crash
-        logger.warning("health check failed: %s", exc)
-        return JsonResponse({"status": "unavailable"}, status=503)
-    return JsonResponse({"status": "ok"})
+    """Liveness: the process answers. No database, no authentication, no details."""
+    return JsonResponse({"status": "ok"}, headers={"Cache-Control": "no-store"})
+
+
+def readyz(request: HttpRequest) -> HttpResponse:
+    """Readiness (`sageproject.health.readiness`): 200 when the database answers, every
+    migration is applied and a worker's heartbeat is fresh, else 503 naming what failed.
+    No authentication: only check names, statuses and short summaries, never a host,
+    a version or an error's text."""
+    from sageproject import health
+
+    checks = health.readiness()
+    failed = [c.name for c in checks if c.status == health.FAIL]
+    body = {
+        "status": "not_ready" if failed else "ready",
+        "checks": [{"name": c.name, "status": c.status, "detail": c.summary} for c in checks],
+        "failed": failed,
+    }
+    response = JsonResponse(
+        body, status=503 if failed else 200, headers={"Cache-Control": "no-store"}
+    )
+    # Not ready is an answer, not a server error: without this Django logs every polled
+    # 503 as an ERROR (django.request).
+    response._has_been_logged = True
+    return response
 
 
 class StrictFieldsMixin:

@@ -148,6 +148,28 @@ LIMITS: tuple[Limit, ...] = (
         minimum=1024,
         meaning="largest accepted request body",
     ),
+    Limit(
+        name="SAGE_WORKER_CONCURRENT_RUNS",
+        check_id="sageproject.E017",
+        default=None,
+        minimum=1,
+        meaning="runs one worker process executes at once (unset: SAGE_SERVER_MAX_CONCURRENT_RUNS)",
+    ),
+    Limit(
+        name="SAGE_JOB_LOST_SECONDS",
+        check_id="sageproject.E018",
+        default=30,
+        minimum=3,
+        meaning="seconds a Celery job may go without its worker's heartbeat before it is failed",
+    ),
+    Limit(
+        name="SAGE_LANGGRAPH_STREAM_SECONDS",
+        check_id="sageproject.E090",
+        default=300,
+        minimum=1,
+        maximum=3600,
+        meaning="seconds a LangGraph API stream stays open before the client reconnects",
+    ),
 )
 
 
@@ -165,6 +187,8 @@ BOOLEANS: tuple[Boolean, ...] = (
     # Enables the code tools and the python_script job kind.
     Boolean(name="SAGE_CODE_TOOLS", check_id="sageproject.E021"),
     Boolean(name="DEBUG", check_id="sageproject.E022"),
+    # Records message content on OpenTelemetry spans (agents/tracing.py).
+    Boolean(name="SAGE_OTEL_CAPTURE_CONTENT", check_id="sageproject.E023"),
 )
 
 # The rules that are not one integer's or one boolean's own, each with its id for good.
@@ -176,8 +200,22 @@ CHECK_JOB_RUNTIME = "sageproject.E050"
 CHECK_JOB_RUNTIME_BROKER = "sageproject.E051"
 CHECK_JOB_RUNNER_MODULES = "sageproject.E052"
 CHECK_JOBS_REDIS_URL = "sageproject.E053"
+CHECK_LOG_FORMAT = "sageproject.E060"
+CHECK_METRICS_TOKEN = "sageproject.E070"
+CHECK_METRICS_DIR = "sageproject.E071"
+CHECK_LANGGRAPH_CORS_ORIGINS = "sageproject.E091"
 
 JOB_RUNTIMES = ("memory", "celery")
+# libpq's network timeouts on PostgreSQL (DATABASE_URL query parameters override them).
+PG_NETWORK_DEFAULTS = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 10000,
+}
+LOG_FORMATS = ("plain", "json")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -285,6 +323,11 @@ def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
         # A backend idle inside a transaction (its process frozen or wedged) would keep
         # its row locks, and with them every other worker's claims, until it died.
         options: dict[str, Any] = {"options": "-c idle_in_transaction_session_timeout=15000"}
+        # Across a network a lost peer must show as an error, not as a hang: a connection
+        # attempt gives up after 5 s, data the server has not acknowledged for 10 s drops
+        # the connection, and an idle one is probed after 10 s. (A worker cut off from the
+        # database then retries, and sees its fenced writes refused once it is back.)
+        options.update(PG_NETWORK_DEFAULTS)
         pool = query.pop("pool", "1").lower() in _TRUE
         if pool:
             options["pool"] = {"min_size": 1, "max_size": int(query.pop("pool_max", "20"))}
@@ -325,6 +368,9 @@ def load(environ: Mapping[str, str] | None = None, *, base_dir: str = ".") -> Co
     _read_database(env, config, base_dir=base_dir)
     config.values["REDIS_URL"] = _read_redis_url(env, config, "REDIS_URL", CHECK_REDIS_URL)
     _read_jobs(env, config)
+    config.values["SAGE_LOG_FORMAT"] = _log_format(env, config)
+    _read_metrics(env, config)
+    config.values["SAGE_LANGGRAPH_CORS_ORIGINS"] = _cors_origins(env, config)
     return config
 
 
@@ -428,6 +474,64 @@ def _job_runtime(env: Mapping[str, str], config: Config) -> str:
         )
         return automatic
     return choice
+
+
+def _log_format(env: Mapping[str, str], config: Config) -> str:
+    """``plain`` (the default) or ``json``: one JSON object per log line (sageproject.logs)."""
+    choice = env.get("SAGE_LOG_FORMAT", "").strip().lower() or "plain"
+    if choice not in LOG_FORMATS:
+        config.report(
+            CHECK_LOG_FORMAT,
+            f"SAGE_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)} (got {choice!r})",
+        )
+        return "plain"
+    return choice
+
+
+def _read_metrics(env: Mapping[str, str], config: Config) -> None:
+    """``SAGE_METRICS_TOKEN`` (the bearer token of ``GET /metrics``; unset: staff API tokens
+    only) and ``SAGE_METRICS_DIR`` (the web processes' counter files; unset: ``.local/metrics``).
+    A refused token is never echoed."""
+    token = env.get("SAGE_METRICS_TOKEN", "").strip() or None
+    if token is not None and (len(token) < 16 or not token.isprintable() or " " in token):
+        config.report(
+            CHECK_METRICS_TOKEN,
+            "SAGE_METRICS_TOKEN must be at least 16 printable characters without spaces",
+        )
+        token = None
+    config.values["SAGE_METRICS_TOKEN"] = token
+    directory = env.get("SAGE_METRICS_DIR", "").strip() or None
+    if directory is not None and not os.path.isabs(directory):
+        config.report(
+            CHECK_METRICS_DIR, f"SAGE_METRICS_DIR must be an absolute path (got {directory!r})"
+        )
+        directory = None
+    config.values["SAGE_METRICS_DIR"] = directory
+
+
+def _cors_origins(env: Mapping[str, str], config: Config) -> tuple[str, ...]:
+    """``SAGE_LANGGRAPH_CORS_ORIGINS``: the browser origins (``https://ui.example.com``,
+    comma-separated; ``*`` for any) whose pages may call the LangGraph API under ``/lg/``.
+    Empty by default: no cross-origin access."""
+    raw = env.get("SAGE_LANGGRAPH_CORS_ORIGINS", "")
+    origins = tuple(o.strip().rstrip("/") for o in raw.split(",") if o.strip())
+    for origin in origins:
+        parts = urlsplit(origin)
+        if origin != "*" and (
+            parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or parts.path
+            or parts.query
+            or parts.fragment
+            or parts.username is not None
+        ):
+            config.report(
+                CHECK_LANGGRAPH_CORS_ORIGINS,
+                "SAGE_LANGGRAPH_CORS_ORIGINS must list origins like https://ui.example.com "
+                f"(scheme, host and port only), comma-separated, or * (got {origin!r})",
+            )
+            return ()
+    return origins
 
 
 def _module_names(

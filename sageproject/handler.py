@@ -69,9 +69,16 @@ class ThreadedASGIHandler(ASGIHandler):
         await self.handle(scope, receive, send)
 
     async def get_response_async(self, request: HttpRequest) -> HttpResponseBase:
-        return await sync_to_async(self._respond, thread_sensitive=False, executor=self._pool)(
+        response = await sync_to_async(self._respond, thread_sensitive=False, executor=self._pool)(
             request
         )
+        # A response that waits for something (a run's end: `agents.protocols.common.
+        # DeferredResponse`) settles on the event loop before its status line is sent, so
+        # its status is the real one and no request thread waits.
+        settle = getattr(response, "settle", None)
+        if settle is not None:
+            await settle()
+        return response
 
     def _respond(self, request: HttpRequest) -> HttpResponseBase:
         try:

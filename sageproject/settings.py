@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 from sageproject import config as sage_config
+from sageproject import logs as sage_logs
 from sageproject import pgpool
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -160,8 +161,9 @@ SAGE_SKILL_DIRS = [
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    # SAGE_LOG_FORMAT: plain lines, or one JSON object per line (sageproject.logs).
+    "formatters": {"sage": sage_logs.formatter_config(SAGE["SAGE_LOG_FORMAT"])},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "sage"}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
     "loggers": {"django.server": {"level": "WARNING"}},
 }

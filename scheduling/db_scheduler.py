@@ -33,6 +33,7 @@ from django.db import transaction
 from sageproject.db import db_call
 from sageproject.errors import NotFoundError
 from scheduling import pending, runs
+from scheduling.figures import LEASE_RECLAIMS, START_WAIT, Figures
 from scheduling.leases import (
     FenceRejected,
     LeaseExpired,
@@ -46,7 +47,7 @@ from scheduling.leases import (
     closed_error,
     queue_full_error,
 )
-from scheduling.models import TERMINAL_STATUSES, Run, RunStatus
+from scheduling.models import TERMINAL_STATUSES, Run, RunStatus, WorkerSnapshot
 from scheduling.runs import Fence, Grant
 
 logger = logging.getLogger("sage.scheduler")
@@ -58,6 +59,10 @@ POLL_START, POLL_MAX = 0.05, 1.0
 # tens of seconds long, so this adds nothing to a reclaim's delay); every claim would
 # otherwise pay for two more statements.
 REAP_SECONDS = 1.0
+# A worker counts as live while its snapshot (published every few seconds) is younger than
+# this by the database's clock; the live workers are looked up at most every SHARE_SECONDS.
+LIVE_WORKER_SECONDS = 10.0
+SHARE_SECONDS = 1.0
 
 _RELEASE_STATUS = {
     LeaseReleaseReason.COMPLETED: RunStatus.COMPLETED,
@@ -90,6 +95,40 @@ def work_from_row(row: Mapping[str, Any]) -> WorkItem:
             "claimed": dict(row),
         },
     )
+
+
+def live_worker_slots(using: str = "default") -> dict[str, int]:
+    """The live workers (a snapshot younger than `LIVE_WORKER_SECONDS` by the database's
+    clock, not stopped) and the slots each published (``runs.max_concurrent``)."""
+    rows = (
+        WorkerSnapshot.objects.using(using)
+        .filter(
+            stopped_at__isnull=True,
+            heartbeat_at__gt=runs.later_expr(-timedelta(seconds=LIVE_WORKER_SECONDS)),
+        )
+        .values_list("worker_id", "capacity__runs__max_concurrent")
+    )
+    slots = {}
+    for worker_id, published in rows:
+        try:
+            slots[worker_id] = max(1, int(published))
+        except (TypeError, ValueError):
+            slots[worker_id] = 1
+    return slots
+
+
+def fair_share(limit: int, slots: Mapping[str, int], worker_id: str) -> int:
+    """``worker_id``'s share of ``limit`` runs among workers with ``slots`` each: the limit
+    is dealt out evenly (rounded up), a worker with fewer slots than its part leaving the
+    rest to the others (water-filling). At least 1, at most the worker's own slots."""
+    remaining = limit
+    ordered = sorted(slots.items(), key=lambda item: (item[1], item[0]))
+    for index, (worker, own) in enumerate(ordered):
+        part = min(own, -(-max(remaining, 0) // (len(ordered) - index)))
+        if worker == worker_id:
+            return max(1, part)
+        remaining -= part
+    return max(1, min(limit, slots.get(worker_id, limit)))
 
 
 def lease_fence(lease: WorkerLease) -> Fence:
@@ -128,6 +167,7 @@ class DatabaseScheduler(SchedulerBase):
         quota_group: SchedulerQuotaGroup | None = None,
         max_attempts: int | None = None,
         using: str = "default",
+        metrics: Figures | None = None,
     ) -> None:
         # Of a group's ledger only the waiters are used: members of one group wake each other.
         super().__init__(
@@ -145,8 +185,12 @@ class DatabaseScheduler(SchedulerBase):
         self.claims = 0
         self.polls = 0
         self.reaped = 0
+        # Lease reclaims and the wait from admission to claim, for /metrics.
+        self.metrics = metrics if metrics is not None else Figures()
         self._next_reap = 0.0
         self._next_recount = time.monotonic() + pending.RECONCILE_SECONDS
+        self._next_share = 0.0
+        self._live: dict[str, int] = {}
 
     # ----------------------------------------------------------------- introspection
 
@@ -290,6 +334,7 @@ class DatabaseScheduler(SchedulerBase):
 
     def _after_reap(self, reaped: list[str]) -> None:
         self.reaped += len(reaped)
+        self.metrics.count(LEASE_RECLAIMS, len(reaped))
         for run_id in reaped:
             lease = self._lease_of_run(run_id)
             if lease is not None:
@@ -314,7 +359,9 @@ class DatabaseScheduler(SchedulerBase):
         limit: int,
         policy: SchedulerClaimPolicy | None = None,
     ) -> list[WorkerLease]:
-        """Claim up to ``limit`` runs in one transaction (no waiting); [] when none."""
+        """Claim up to ``limit`` runs in one transaction (no waiting); [] when none. A
+        claim that could take every claimable run leaves the other live workers (as
+        `fair_share` last read them) their part (``runs.claim``'s ``share_with``)."""
         if self._closed:
             raise closed_error()
         duration = _as_timedelta(lease_duration)
@@ -338,6 +385,7 @@ class DatabaseScheduler(SchedulerBase):
             max_crashes=self.max_attempts,
             reap=reap,
             look_first=look_first,
+            share_with=self.live_workers,
             using=self.using,
             clock=self._clock,
         )
@@ -352,6 +400,30 @@ class DatabaseScheduler(SchedulerBase):
                 await self._requeue(lease)
             raise closed_error()
         return leases
+
+    async def fair_share(self, worker_id: str, slots: int) -> int:
+        """How many runs ``worker_id`` (with ``slots`` of its own) may hold: all its slots,
+        unless the global limit of its quota group (``max_active``) is smaller than what
+        the live workers can hold together — then its share of that limit (`fair_share`),
+        so one worker's claims cannot take every freed slot while another starves. The
+        live workers are read at most every `SHARE_SECONDS`; a failed read keeps the last.
+        """
+        now = time.monotonic()
+        if now >= self._next_share:
+            self._next_share = now + SHARE_SECONDS
+            try:
+                self._live = await self._db(live_worker_slots, self.using)
+            except Exception as exc:  # the claim itself reports database trouble
+                logger.debug("reading the live workers failed: %s", exc)
+        max_active = self._group.max_active if self._group is not None else None
+        if max_active is None:
+            return slots
+        return fair_share(max_active, {**self._live, worker_id: slots}, worker_id)
+
+    @property
+    def live_workers(self) -> int:
+        """The live workers `fair_share` last read (at least 1: this one)."""
+        return max(1, len(self._live))
 
     async def _claim_once(
         self, worker_id: str, duration: timedelta, policy: SchedulerClaimPolicy
@@ -390,6 +462,8 @@ class DatabaseScheduler(SchedulerBase):
         )
         self._leases[lease.lease_id] = lease
         self.claims += 1
+        waited = (grant.granted_at - row["available_at"]).total_seconds()
+        self.metrics.observe(START_WAIT, waited, queue=row["queue"])
         return lease
 
     async def wait_for_change(self, seconds: float) -> bool:

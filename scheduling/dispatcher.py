@@ -8,11 +8,20 @@ suspension and its interaction) through the session store.
 
 Per execution: a renewer extends the lease every third of its length; if it cannot (the
 lease was lost, or renewal kept failing until the lease ran out) the execution is cancelled
-with ``stop.reason = "lease_lost"``. One watcher polls ``Run.cancel_requested`` for all
-executions about once a second and stops them with ``stop.reason`` ``cancelled``,
-``interrupt`` or ``rollback`` (a newer run of the session took over). On drain, executions
-left after the grace period are cancelled with ``stop.reason = "shutdown"`` and requeued
-with ``scheduler.worker_shutdown`` (resumable; the crash budget is not used).
+with ``stop.reason = "lease_lost"``. The worker never compares its own clock with the
+database's: it counts a lease as gone once a lease length has passed on its monotonic clock
+since it last asked for it (claim or renewal) — never later than the database lets it
+expire — and a renewal that hangs (the network is gone) is abandoned at that moment. One
+watcher polls ``Run.cancel_requested`` for all executions about once a second and stops
+them with ``stop.reason`` ``cancelled``, ``interrupt`` or ``rollback`` (a newer run of the
+session took over). On drain, executions left after the grace period are cancelled with
+``stop.reason = "shutdown"`` and requeued with ``scheduler.worker_shutdown`` (resumable;
+the crash budget is not used).
+
+Several workers share the global limit (``max_active`` of the scheduler's quota group):
+each holds at most its share of it (`DatabaseScheduler.fair_share`, from the live workers'
+snapshots), so the worker whose slots free first cannot take every freed run while another
+one starves; after a claim that left runs to the others it waits `CLAIM_TURN_SECONDS`.
 
 Claim errors: transient ones (any database or connection error, retryable `SageError`)
 back off 0.1 s → 5 s and claiming goes on; any other error stops claiming, is logged and
@@ -25,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +48,7 @@ from sageproject.db import db_call, retry_transient, transient_database_error
 from sageproject.errors import ErrorCategory, SageError
 from scheduling import runs
 from scheduling.db_scheduler import DatabaseScheduler, lease_fence
+from scheduling.figures import EXECUTION, FENCE_REJECTIONS, RATE_LIMITED, SUSPENSIONS, Figures
 from scheduling.leases import (
     FenceRejected,
     LeaseExpired,
@@ -54,6 +65,11 @@ logger = logging.getLogger("sage.dispatcher")
 BACKOFF_START, BACKOFF_MAX = 0.1, 5.0
 IDLE_START, IDLE_MAX = 0.05, 0.5
 CLAIM_COALESCE_TURNS = 4
+# A worker held to its share looks again this often (the share grows when a worker stops).
+SHARE_RECHECK_SECONDS = 1.0
+# After a claim that left runs to other live workers, this one waits this long before it
+# looks again: theirs come first (SQLite's lock, unlike PostgreSQL's, is not first come).
+CLAIM_TURN_SECONDS = 0.05
 
 INTERNAL_ERROR = SageError(
     "execution.internal", "the executor failed unexpectedly", category=ErrorCategory.INTERNAL
@@ -119,6 +135,9 @@ class Execution:
     task: asyncio.Task[Any]
     started: datetime = field(default_factory=timezone.now)
     supervisor: asyncio.Task[Any] | None = None
+    # When the lease runs out at the latest, on this process's monotonic clock: a lease
+    # length after the claim or renewal that set it was asked for.
+    deadline: float = 0.0
 
     @property
     def tenant(self) -> str | None:
@@ -148,6 +167,7 @@ class Dispatcher:
         lease_seconds: float = 30.0,
         cancel_poll_seconds: float = 1.0,
         on_permanent_error: Callable[[str], None] | None = None,
+        metrics: Figures | None = None,
     ) -> None:
         if max_concurrent_runs < 1 or max_concurrent_runs_per_user < 1:
             raise ValueError("concurrency limits must be positive")
@@ -172,7 +192,13 @@ class Dispatcher:
         self.claim_errors = 0
         self.last_claim_error: str | None = None
         self.permanent_error: str | None = None
+        # What executions ended with, and fence rejections, for /metrics.
+        self.metrics = metrics if metrics is not None else Figures()
         self._slot_freed = asyncio.Event()
+        # Runs this worker may hold now (its share of the global limit), and executions
+        # dropped because their lease was lost (expired, reclaimed, or unreachable).
+        self.share = max_concurrent_runs
+        self.leases_lost = 0
 
     # ----------------------------------------------------------------- claim loop
 
@@ -191,20 +217,26 @@ class Dispatcher:
         backoff = BACKOFF_START
         idle = IDLE_START
         while not stopping.is_set():
-            if len(self.executions) >= self.max_concurrent_runs:
+            self.share = await self._share()
+            room = min(self.max_concurrent_runs, self.share) - len(self.executions)
+            if room <= 0:
                 self._slot_freed.clear()
-                await self._first(stopping.wait(), self._slot_freed.wait())
+                waits = [stopping.wait(), self._slot_freed.wait()]
+                if self.share < self.max_concurrent_runs:
+                    waits.append(asyncio.sleep(SHARE_RECHECK_SECONDS))
+                await self._first(*waits)
                 # Runs finished by one group commit free their slots in the same few loop
                 # turns: let them all, so one claim transaction fills them together.
                 for _ in range(CLAIM_COALESCE_TURNS):
                     await asyncio.sleep(0)
                 continue
+            asked = time.monotonic()
             try:
                 # One transaction takes as many runs as there are free slots.
                 leases = await self.scheduler.claim_many(
                     self.worker_id,
                     lease_duration=self.lease,
-                    limit=self.max_concurrent_runs - len(self.executions),
+                    limit=room,
                     policy=self.policy,
                 )
             except Exception as exc:
@@ -229,7 +261,15 @@ class Dispatcher:
                 continue
             idle = IDLE_START
             for lease in leases:
-                self._start(lease)
+                self._start(lease, asked + self.lease.total_seconds())
+            if len(leases) < room and getattr(self.scheduler, "live_workers", 1) > 1:
+                await self._first(stopping.wait(), asyncio.sleep(CLAIM_TURN_SECONDS))
+
+    async def _share(self) -> int:
+        fair_share = getattr(self.scheduler, "fair_share", None)
+        if fair_share is None:
+            return self.max_concurrent_runs
+        return await fair_share(self.worker_id, self.max_concurrent_runs)
 
     @staticmethod
     async def _first(*aws: Any) -> None:
@@ -243,15 +283,17 @@ class Dispatcher:
 
     # ----------------------------------------------------------------- executions
 
-    def _start(self, lease: WorkerLease) -> None:
+    def _start(self, lease: WorkerLease, deadline: float | None = None) -> None:
         fence = lease_fence(lease)
+        if deadline is None:
+            deadline = time.monotonic() + self.lease.total_seconds()
         stop = StopSignal()
         claimed = lease.work.payload.get("claimed")
         task = asyncio.create_task(
             self.executor.execute(fence.run_id, fence, stop, claimed=claimed),
             name=f"run-{lease.run_id}",
         )
-        execution = Execution(lease=lease, fence=fence, stop=stop, task=task)
+        execution = Execution(lease=lease, fence=fence, stop=stop, task=task, deadline=deadline)
         self.executions[lease.run_id] = execution
         _live_fences[lease.run_id] = fence
         self.peak_active = max(self.peak_active, len(self.executions))
@@ -267,7 +309,10 @@ class Dispatcher:
         finally:
             renewer.cancel()
             await asyncio.gather(renewer, return_exceptions=True)
-            self.executions.pop(execution.lease.run_id, None)
+            # Only this execution's entry: after its lease was reaped this worker may have
+            # claimed the run again, and the newer execution's entry must stay.
+            if self.executions.get(execution.lease.run_id) is execution:
+                del self.executions[execution.lease.run_id]
             if _live_fences.get(execution.lease.run_id) is execution.fence:
                 del _live_fences[execution.lease.run_id]
             self._slot_freed.set()
@@ -286,19 +331,29 @@ class Dispatcher:
         execution.task.cancel()
 
     async def _renew(self, execution: Execution) -> None:
-        """Renew every third of the lease; raise `_LeaseLost` when it cannot be kept."""
+        """Renew every third of the lease; raise `_LeaseLost` when it cannot be kept.
+
+        A renewal that has not answered by the execution's `deadline` (monotonic) is given
+        up: the lease may be gone already, and the worker must not write as if it held it."""
         while True:
             await asyncio.sleep(self.renew_interval)
             if execution.task.done():
                 return
             lease = execution.lease
+            asked = time.monotonic()
             try:
-                execution.lease = await self.scheduler.renew(lease, lease_duration=self.lease)
+                async with asyncio.timeout(max(execution.deadline - asked, 0.0)):
+                    execution.lease = await self.scheduler.renew(lease, lease_duration=self.lease)
+                execution.deadline = asked + self.lease.total_seconds()
             except LeaseExpired as exc:
                 logger.warning("run %s lost its lease", lease.run_id)
+                self.metrics.count(FENCE_REJECTIONS, write="renew")
                 raise _LeaseLost() from exc
             except Exception as exc:
-                if timezone.now() >= lease.expires_at:
+                if time.monotonic() >= execution.deadline:
+                    logger.warning(
+                        "run %s: its lease ran out unrenewed (%s)", lease.run_id, exc or "timeout"
+                    )
                     raise _LeaseLost() from exc
                 logger.warning("renewing run %s failed (%s); retrying", lease.run_id, exc)
 
@@ -321,6 +376,7 @@ class Dispatcher:
                 await self._finish_direct(execution, status, error)
             else:
                 logger.info("run %s stopped: %s", run_id, reason or "lease lost")
+                self.leases_lost += 1
                 self.scheduler.forget(lease)
             return
         except Exception as exc:
@@ -337,6 +393,8 @@ class Dispatcher:
             # The executor's fenced write was refused by the database: another worker
             # holds the run now, and nothing this execution wrote afterwards was kept.
             logger.warning("run %s: write rejected (scheduler.fence_rejected)", run_id)
+            self.metrics.count(FENCE_REJECTIONS, write="events")
+            self.leases_lost += 1
             self.scheduler.forget(lease)
             return
         await self._commit(execution, outcome)
@@ -369,6 +427,8 @@ class Dispatcher:
                 )
         except FenceRejected:
             logger.warning("run %s lost its lease before it could finish", run_id)
+            self.metrics.count(FENCE_REJECTIONS, write="outcome")
+            self.leases_lost += 1
             self.scheduler.forget(execution.lease)
             return
         except Exception as exc:  # its lease expires and the run is reaped (a crash)
@@ -377,6 +437,7 @@ class Dispatcher:
             return
         self.scheduler.forget(execution.lease)
         self.completed += 1
+        self._ended(execution, outcome.status, outcome.interaction or outcome.error)
         logger.info("run %s %s", run_id, outcome.status)
 
     async def _finish_direct(
@@ -391,12 +452,26 @@ class Dispatcher:
                 error=error,
                 what=f"finishing run {execution.lease.run_id}",
             )
+            self._ended(execution, status, error)
             logger.info("run %s %s", execution.lease.run_id, status)
         except FenceRejected:
             logger.warning("run %s: finish rejected (lease lost)", execution.lease.run_id)
+            self.metrics.count(FENCE_REJECTIONS, write="outcome")
+            self.leases_lost += 1
         except Exception as exc:  # its lease expires and the run is reaped
             logger.warning("finishing run %s failed: %s", execution.lease.run_id, exc)
         self.scheduler.forget(execution.lease)
+
+    def _ended(self, execution: Execution, status: str, error: dict[str, Any] | None) -> None:
+        """Count a committed outcome: its execution's length by outcome, a suspension by
+        its code, an error of the RATE_LIMITED category (a 429 of ours or the provider's)."""
+        elapsed = (timezone.now() - execution.started).total_seconds()
+        self.metrics.observe(EXECUTION, elapsed, outcome=status)
+        code = (error or {}).get("code")
+        if status == RunStatus.SUSPENDED:
+            self.metrics.count(SUSPENSIONS, code=code)
+        if (error or {}).get("category") == ErrorCategory.RATE_LIMITED:
+            self.metrics.count(RATE_LIMITED, code=code)
 
     async def _requeue(self, execution: Execution, error: dict[str, Any]) -> bool:
         try:

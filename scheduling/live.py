@@ -333,9 +333,10 @@ async def follow(session_id: Any, after: int, seconds: float) -> AsyncIterator[A
     endpoint, the protocol layers) reads a session through this.
 
     A ``committed`` notice from a worker makes the follower read new durable events at
-    once; without one it polls every ``FOLLOW_POLL_SECONDS``. Deltas wait in a bounded queue
-    per follower: one that does not read loses deltas and never slows a run. Close the
-    iterator (``contextlib.aclosing``) to stop early.
+    once, before the deltas published after it (so a delta follows the durable events
+    its worker committed before it); without one it polls every ``FOLLOW_POLL_SECONDS``.
+    Deltas wait in a bounded queue per follower: one that does not read loses deltas and
+    never slows a run. Close the iterator (``contextlib.aclosing``) to stop early.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
@@ -371,7 +372,10 @@ async def follow(session_id: Any, after: int, seconds: float) -> AsyncIterator[A
                     quiet_since = loop.time()
                     yield Delta(kind, message.get("run"), message.get("payload") or {})
                 elif kind == "committed" and int(message.get("seq", 0)) > after:
+                    # The events it announces come before any later delta (a worker
+                    # publishes in order): read them before draining further.
                     read = True
+                    break
                 try:
                     message = subscription.queue.get_nowait()
                 except asyncio.QueueEmpty:

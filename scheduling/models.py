@@ -289,3 +289,24 @@ class WorkerSnapshot(models.Model):
             "heartbeat_at": self.heartbeat_at,
             "capacity": self.capacity,
         }
+
+
+class CapacitySample(models.Model):
+    """One point of the capacity page's charts: root runs queued and active (all workers,
+    from the database) at ``time``, the database's clock. ``slot`` is ``time`` in whole
+    periods of ``scheduling.samples.SAMPLE_SECONDS``: its uniqueness keeps at most one
+    sample per period however many workers publish, and ``scheduling.samples`` prunes the
+    history to its last day."""
+
+    slot = models.BigIntegerField(primary_key=True)
+    time = models.DateTimeField()
+    queued = models.PositiveIntegerField(default=0)
+    active = models.PositiveIntegerField(default=0)
+    # {queue: {"active": n, "pending": n}}
+    per_queue = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["slot"]
+
+    def __str__(self) -> str:
+        return f"{self.time:%Y-%m-%d %H:%M:%S}: {self.queued} queued, {self.active} active"

@@ -708,10 +708,16 @@ def claim(
     max_crashes: int | None = None,
     reap: bool = True,
     look_first: bool = True,
+    share_with: int = 1,
     using: str = DEFAULT_DB_ALIAS,
     clock: Clock = None,
 ) -> tuple[list[Grant], list[str]]:
     """Claim up to ``limit`` runs in one transaction; returns (grants, reaped run ids).
+
+    ``share_with``: the live workers (this one included). When all the runs this claim may
+    take fit in it with room to spare (a burst that woke every worker at once, or the
+    global limit's last places), it takes only its part of them, rounded up: the others,
+    claiming right after it, get theirs. A full batch (a deep queue) is never cut.
 
     Idle polling takes no lock (a frozen worker inside the claim transaction would stall
     every other worker's claims): it looks for work first, unless ``look_first`` is false
@@ -753,6 +759,8 @@ def claim(
                 max_active=max_active,
                 per_tenant=per_tenant,
             )
+            if share_with > 1 and 1 < len(picked) < limit:
+                picked = picked[: -(-len(picked) // share_with)]
             grants: list[Grant] = []
             if picked:
                 if postgres:
@@ -1482,12 +1490,13 @@ def cancel_leased(run_id: Any, *, using: str = DEFAULT_DB_ALIAS) -> bool:
     )
 
 
-def cancel(run_id: Any, *, using: str = DEFAULT_DB_ALIAS) -> Run:
+def cancel(run_id: Any, *, rollback: bool = False, using: str = DEFAULT_DB_ALIAS) -> Run:
     """Cancel a run: a queued or suspended one at once (``run.cancelled`` event and archive
     in the same transaction), a running one through its worker at its next step — or, if
-    its worker is dead, by the reaper. Idempotent: a terminal run is answered unchanged."""
+    its worker is dead, by the reaper. Idempotent: a terminal run is answered unchanged.
+    ``rollback`` stops it as a multitask rollback does: ``interrupted``, its events removed."""
     with transaction.atomic(using=using):
-        _stop(run_id, StopRequest.CANCEL, using=using)
+        _stop(run_id, StopRequest.ROLLBACK if rollback else StopRequest.CANCEL, using=using)
     run = Run.objects.using(using).filter(pk=run_id).first()
     if run is None:
         raise NotFoundError("run.not_found", "run not found")

@@ -2,8 +2,9 @@
 
 Composition: a `DatabaseScheduler` over both run queues with one `SchedulerQuotaGroup`
 (``SAGE_SERVER_MAX_CONCURRENT_RUNS`` / ``…_PER_USER`` / ``SAGE_SERVER_MAX_PENDING_RUNS``,
-counted in the database, so they never multiply with queues or workers), a `Dispatcher`
-that supervises executions (lease renewal, cancellation, shutdown), a snapshot publisher
+counted in the database, so they never multiply with queues or workers; each worker holds
+its share of them, `SAGE_WORKER_CONCURRENT_RUNS` at most), a `Dispatcher` that supervises
+executions (lease renewal, cancellation, shutdown), a snapshot publisher
 (`WorkerSnapshot`), and the executor it is given (the ``runworker`` command composes
 the worker with ``agents.executor.RunExecutor``; scheduling never imports agents).
 
@@ -31,12 +32,14 @@ from django.db.models import Count
 from django.utils import timezone
 
 from sageproject.db import db_call
-from scheduling import live
+from scheduling import live, samples
 from scheduling.db_scheduler import DatabaseScheduler
 from scheduling.dispatcher import Dispatcher, Execution
+from scheduling.figures import Figures
 from scheduling.leases import SchedulerQuotaGroup
 from scheduling.live import LivePublisher
 from scheduling.models import Run, RunStatus, WorkerSnapshot
+from scheduling.runs import DbNow
 from scheduling.store import close_default_coordinator
 from scheduling.wakeups import Listener
 
@@ -79,11 +82,19 @@ class Worker:
         worker_id: str | None = None,
         max_per_user: int | None = None,
         cancel_poll_seconds: float = 1.0,
+        max_active: int | None = None,
     ) -> None:
         sage = settings.SAGE
-        self.max_concurrent = max_concurrent or sage["SAGE_SERVER_MAX_CONCURRENT_RUNS"]
+        # Runs executing at once across every worker (counted in the database), and this
+        # worker's own slots: on several hosts each takes its share of the first.
+        self.max_active = max_active or sage["SAGE_SERVER_MAX_CONCURRENT_RUNS"]
+        self.max_concurrent = (
+            max_concurrent
+            or sage.get("SAGE_WORKER_CONCURRENT_RUNS")
+            or sage["SAGE_SERVER_MAX_CONCURRENT_RUNS"]
+        )
         self.max_per_user = min(
-            max_per_user or sage["SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER"], self.max_concurrent
+            max_per_user or sage["SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER"], self.max_active
         )
         self.max_pending = sage["SAGE_SERVER_MAX_PENDING_RUNS"]
         self.lease_seconds = lease_seconds or sage["SAGE_LEASE_SECONDS"]
@@ -97,11 +108,15 @@ class Worker:
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.executor = executor
         self.started_at = timezone.now()
-        self.quota = SchedulerQuotaGroup(self.max_concurrent, self.max_per_user, self.max_pending)
+        self.quota = SchedulerQuotaGroup(self.max_active, self.max_per_user, self.max_pending)
+        # One set of counters and histograms for /metrics, shared with the executor's own
+        # (published in every snapshot: `capacity()["metrics"]`).
+        self.metrics: Figures = getattr(executor, "metrics", None) or Figures()
         self.scheduler = DatabaseScheduler(
             quota_group=self.quota,
             max_pending_items=self.max_pending,
             max_attempts=self.max_attempts,
+            metrics=self.metrics,
         )
         self.dispatcher = Dispatcher(
             self.scheduler,
@@ -112,6 +127,7 @@ class Worker:
             lease_seconds=float(self.lease_seconds),
             cancel_poll_seconds=cancel_poll_seconds,
             on_permanent_error=self._claiming_stopped,
+            metrics=self.metrics,
         )
         # Renewal runs every third of the lease, never less often than the heartbeat.
         self.dispatcher.renew_interval = max(
@@ -197,6 +213,8 @@ class Worker:
             "runs": {
                 "active": len(dispatcher.executions),
                 "max_concurrent": self.max_concurrent,
+                "max_active": self.max_active,
+                "share": dispatcher.share,
                 "max_per_user": self.max_per_user,
                 "max_pending": self.max_pending,
                 "completed": dispatcher.completed,
@@ -212,10 +230,12 @@ class Worker:
                 "claim_errors": dispatcher.claim_errors,
                 "last_claim_error": dispatcher.last_claim_error,
                 "permanent_error": dispatcher.permanent_error,
+                "leases_lost": dispatcher.leases_lost,
                 "wakeups": self.wakeups.snapshot() if self.wakeups is not None else None,
                 "live": self.live.snapshot() if self.live is not None else None,
             },
             "executor": self.executor.capacity(),
+            "metrics": self.metrics.snapshot(),
         }
 
     async def _publish(self, *, stopped: bool = False) -> None:
@@ -223,7 +243,14 @@ class Worker:
             self._figures = await db_call(queue_figures)
         except Exception as exc:
             logger.warning("could not count the queues: %s", exc)
-        now = timezone.now()
+        else:
+            try:  # the capacity page's charts: one sample per period across all workers
+                await db_call(samples.record, self._figures)
+            except Exception as exc:
+                logger.warning("could not record the capacity sample: %s", exc)
+        # The heartbeat is the database's time: workers on several hosts are compared by
+        # one clock (their own may be skewed).
+        now = DbNow()
         defaults = {
             "host": socket.gethostname(),
             "pid": os.getpid(),

@@ -68,11 +68,12 @@ def check_priority(owner, priority: int) -> None:
         )
 
 
-def run_cancel(*, run: Run) -> Run:
+def run_cancel(*, run: Run, rollback: bool = False) -> Run:
     """Cancel a run: a queued or suspended one at once (its ``run.cancelled`` event and
     archive with it), a running one through its worker at its next step (or the reaper, if
-    its worker died). Idempotent: a terminal run is answered unchanged."""
-    return runs.cancel(run.pk)
+    its worker died). Idempotent: a terminal run is answered unchanged. ``rollback`` ends
+    it ``interrupted`` with its events removed from the session (as multitask rollback)."""
+    return runs.cancel(run.pk, rollback=rollback)
 
 
 def run_reply(*, run: Run, decision: str, interaction_id: str | None = None) -> Run:

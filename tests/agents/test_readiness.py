@@ -341,11 +341,16 @@ def test_it_never_loads_skill_content(skills_dir: Path, monkeypatch: pytest.Monk
 
 
 def test_it_serializes_to_a_plain_dict(skills_dir: Path) -> None:
-    data = check(SUPPORT, skills_dir, strict=True).to_dict()
+    result = check(SUPPORT, skills_dir, strict=True)
+    data = result.to_dict()
     assert set(data) == {"ref", "valid", "ready", "strict", "agents", "flows", "scope"}
     assert data["ref"] == SUPPORT.ref
     assert data["strict"] is True
     assert set(data["agents"]) == {"assistant", "helper"}
+    # The reports are copies: changing the dict leaves the result as it was.
+    assert data["agents"] == result.agents
+    data["agents"]["assistant"]["ready"] = "changed"
+    assert result.agents["assistant"]["ready"] != "changed"
 
 
 def test_it_raises_package_not_ready_in_strict_mode_listing_what_is_missing(

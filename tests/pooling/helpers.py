@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from pooling.providers import TextDelta
+from pooling.providers import ModelRequest, ProviderAdapter, TextDelta, get_adapter
+from sageproject.errors import UpstreamError
 
 
 async def until(
@@ -39,3 +40,27 @@ def texts(items: Iterable[object]) -> list[str]:
 def text_of(items: Iterable[object]) -> str:
     """The text a stream's items spell."""
     return "".join(texts(items))
+
+
+def _adapter(adapter: ProviderAdapter | str) -> ProviderAdapter:
+    return get_adapter(adapter) if isinstance(adapter, str) else adapter
+
+
+async def collect(adapter: ProviderAdapter | str, client: Any, request: ModelRequest) -> list:
+    """Every item ``adapter`` (an adapter or its protocol's name) streams for ``request``."""
+    return [item async for item in _adapter(adapter).stream(client, request)]
+
+
+async def failure(
+    adapter: ProviderAdapter | str,
+    client: Any,
+    request: ModelRequest,
+    expected: type[BaseException] = UpstreamError,
+) -> tuple[list, Any]:
+    """The items ``adapter`` streams for ``request`` before the stream fails, and the error
+    (fails unless it raises ``expected``)."""
+    received: list = []
+    with pytest.raises(expected) as caught:
+        async for item in _adapter(adapter).stream(client, request):
+            received.append(item)
+    return received, caught.value

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 from django.core.exceptions import ValidationError as ModelValidationError
-from django.db import IntegrityError, connection, transaction
-from django.db.migrations.executor import MigrationExecutor
+from django.db import IntegrityError, transaction
 
 from pooling import services
 from pooling.models import ModelRecord, Protocol
@@ -82,27 +81,3 @@ def test_it_answers_409_when_staff_rename_a_shared_record_to_a_taken_name(staff_
     assert response.json()["error"]["code"] == "model_record.name_conflict"
     other.refresh_from_db()
     assert other.name == "claude"
-
-
-@pytest.mark.django_db(transaction=True)
-def test_it_migrates_existing_records_and_renames_duplicate_shared_names(alice):
-    """Rows written before the migration get their owner_key; shared duplicates (possible
-    where the old conditional constraint was never created) keep the oldest's name."""
-    executor = MigrationExecutor(connection)
-    executor.migrate([("pooling", "0001_initial")])
-    try:
-        old = executor.loader.project_state([("pooling", "0001_initial")]).apps
-        OldRecord = old.get_model("pooling", "ModelRecord")
-        first = OldRecord.objects.create(name="gpt", protocol="scripted", model="gpt")
-        mine = OldRecord.objects.create(owner_id=alice.pk, name="gpt", protocol="scripted")
-        duplicates = not connection.features.supports_partial_indexes
-        if duplicates:  # only these databases could have stored them
-            second = OldRecord.objects.create(name="gpt", protocol="scripted", model="gpt")
-    finally:
-        executor = MigrationExecutor(connection)
-        executor.migrate(executor.loader.graph.leaf_nodes())
-    assert ModelRecord.objects.get(pk=first.pk).name == "gpt"
-    assert ModelRecord.objects.get(pk=first.pk).owner_key == 0
-    assert ModelRecord.objects.get(pk=mine.pk).owner_key == alice.pk
-    if duplicates:
-        assert ModelRecord.objects.get(pk=second.pk).name == f"gpt~{second.pk}"

@@ -22,8 +22,8 @@ from pooling.providers import (
     scripted,
 )
 from pooling.providers.scripted import ScriptedClient, tokenize
-from sageproject.errors import ErrorCategory, UpstreamError, ValidationError
-from tests.pooling.helpers import text_of, texts
+from sageproject.errors import ErrorCategory, ValidationError
+from tests.pooling.helpers import collect, failure, text_of, texts
 from tests.pooling.upstream import HTML_502
 
 CALCULATOR = ToolSpec(name="calculator", description="Evaluate arithmetic",
@@ -45,10 +45,6 @@ async def client(adapter):
     client = await adapter.create_client(RECORD)
     yield client
     await adapter.close_client(client)
-
-
-async def collect(adapter, client, request):
-    return [item async for item in adapter.stream(client, request)]
 
 
 def user(text):
@@ -235,13 +231,9 @@ async def test_it_can_be_cancelled_between_tokens(adapter, client):
 async def test_it_raises_the_injected_error_before_any_token(adapter, client, caplog):
     request = ModelRequest(model="m", messages=(user("hi"),),
                            options={"error": {"status": 502, "body": HTML_502}})
-    received = []
-    with caplog.at_level(logging.WARNING, logger="sage.upstream"), \
-            pytest.raises(UpstreamError) as caught:
-        async for item in adapter.stream(client, request):
-            received.append(item)
+    with caplog.at_level(logging.WARNING, logger="sage.upstream"):
+        received, error = await failure(adapter, client, request)
     assert received == []
-    error = caught.value
     assert (error.code, error.retryable) == ("upstream.error", True)
     assert error.message == "the provider failed (status 502, HTML error page)"
     assert "nginx/1.25.3" in caplog.text
@@ -252,22 +244,18 @@ async def test_it_raises_the_injected_error_after_some_tokens(adapter, client):
     request = ModelRequest(model="m", messages=(user("a b c d"),),
                            options={"error": {"status": 429, "body": "", "retry_after": 2},
                                     "error_after_tokens": 2})
-    received = []
-    with pytest.raises(UpstreamError) as caught:
-        async for item in adapter.stream(client, request):
-            received.append(item)
+    received, error = await failure(adapter, client, request)
     assert [i.text for i in received] == ["You ", "said: "]
-    assert caught.value.code == "upstream.rate_limited"
-    assert caught.value.category == ErrorCategory.RATE_LIMITED
-    assert caught.value.details == {"status": 429, "retry_after": 2.0}
-    assert caught.value.message == "the provider's rate limit was reached; retry later (status 429)"
+    assert error.code == "upstream.rate_limited"
+    assert error.category == ErrorCategory.RATE_LIMITED
+    assert error.details == {"status": 429, "retry_after": 2.0}
+    assert error.message == "the provider's rate limit was reached; retry later (status 429)"
 
 
 async def test_it_injects_a_connection_failure(adapter, client):
     request = ModelRequest(model="m", messages=(user("x"),), options={"error": {"status": None}})
-    with pytest.raises(UpstreamError) as caught:
-        await collect(adapter, client, request)
-    assert (caught.value.code, caught.value.retryable) == ("upstream.error", True)
+    _, error = await failure(adapter, client, request)
+    assert (error.code, error.retryable) == ("upstream.error", True)
 
 
 async def test_it_closes_its_client(adapter):

@@ -27,8 +27,8 @@ from pooling.providers import (
     create_client,
     get_adapter,
 )
-from sageproject.errors import ErrorCategory, UpstreamError
-from tests.pooling.helpers import text_of, texts
+from sageproject.errors import ErrorCategory
+from tests.pooling.helpers import collect, failure, text_of, texts
 from tests.pooling.upstream import (  # noqa: F401  (upstream_fixture registers "upstream")
     HTML_502,
     ErrorReply,
@@ -89,30 +89,18 @@ async def sent_for(upstream: UpstreamServer, protocol: str, request: ModelReques
     return sent
 
 
-async def collect(protocol, client, request=HELLO):
-    return [item async for item in get_adapter(protocol).stream(client, request)]
-
-
-async def failure(protocol, client, request=HELLO) -> tuple[list, UpstreamError]:
-    received = []
-    with pytest.raises(UpstreamError) as caught:
-        async for item in get_adapter(protocol).stream(client, request):
-            received.append(item)
-    return received, caught.value
-
-
 # -- streaming ---------------------------------------------------------------------------
 
 
 async def test_it_streams_text_deltas_in_order(upstream, protocol, client):
     upstream.enqueue(Reply(text="Hello there, Alice!"))
-    items = await collect(protocol, client)
+    items = await collect(protocol, client, HELLO)
     assert texts(items) == ["Hello ", "there, ", "Alice!"]
 
 
 async def test_it_ends_with_usage_and_end_turn(upstream, protocol, client):
     upstream.enqueue(Reply(text="Hi", usage=(21, 4)))
-    items = await collect(protocol, client)
+    items = await collect(protocol, client, HELLO)
     assert items[-1] == StreamEnd(stop_reason="end_turn",
                                   usage={"input_tokens": 21, "output_tokens": 4})
 
@@ -161,7 +149,7 @@ async def test_it_keeps_several_tool_calls_apart_and_in_order(upstream, protocol
         {"id": "c2", "name": "clock", "arguments": {}},
         {"id": "c3", "name": "calculator", "arguments": {"expression": "9/3"}},
     )))
-    items = await collect(protocol, client)
+    items = await collect(protocol, client, HELLO)
     assert [(i.id, i.name, i.arguments) for i in items if isinstance(i, ToolCall)] == [
         ("c1", "calculator", {"expression": "1+1"}),
         ("c2", "clock", {}),
@@ -172,13 +160,13 @@ async def test_it_keeps_several_tool_calls_apart_and_in_order(upstream, protocol
 async def test_it_keeps_unparseable_arguments_raw(upstream, protocol, client):
     upstream.enqueue(Reply(text="", tool_calls=(
         {"id": "c1", "name": "calculator", "arguments": '{"expression": "1+'},)))
-    items = await collect(protocol, client)
+    items = await collect(protocol, client, HELLO)
     assert [i.arguments for i in items if isinstance(i, ToolCall)] == [
         {"_raw": '{"expression": "1+'}]
 
 
 async def test_it_sends_the_api_key(upstream, protocol, client):
-    await collect(protocol, client)
+    await collect(protocol, client, HELLO)
     headers = upstream.requests[0].headers
     # Both SDKs (anthropic since 2.x) send the key as a bearer token.
     assert headers.get("authorization") == f"Bearer {API_KEY}" or (
@@ -284,7 +272,7 @@ async def test_it_turns_an_error_envelope_into_our_message_and_its_code(
     upstream, protocol, body, message, client
 ):
     upstream.enqueue(ErrorReply(status=400, body=body))
-    received, error = await failure(protocol, client)
+    received, error = await failure(protocol, client, HELLO)
     assert received == []
     assert (error.code, error.message, error.retryable) == ("upstream.error", message, False)
     assert error.details == {"status": 400}
@@ -292,7 +280,7 @@ async def test_it_turns_an_error_envelope_into_our_message_and_its_code(
 
 async def test_it_reports_an_html_502_as_a_retryable_error(upstream, protocol, client):
     upstream.enqueue(ErrorReply(status=502, body=HTML_502))
-    _, error = await failure(protocol, client)
+    _, error = await failure(protocol, client, HELLO)
     assert (error.code, error.category, error.retryable) == (
         "upstream.error", ErrorCategory.UPSTREAM, True)
     assert error.message == "the provider failed (status 502, HTML error page)"
@@ -302,7 +290,7 @@ async def test_it_reports_429_with_retry_after(upstream, protocol, client):
     upstream.enqueue(ErrorReply(status=429, body=openai_error("Rate limit reached",
                                                               type="requests"),
                                 headers={"Retry-After": "17"}))
-    _, error = await failure(protocol, client)
+    _, error = await failure(protocol, client, HELLO)
     assert (error.code, error.category, error.retryable, error.resumable) == (
         "upstream.rate_limited", ErrorCategory.RATE_LIMITED, True, True)
     assert error.details == {"status": 429, "retry_after": 17.0}
@@ -311,7 +299,7 @@ async def test_it_reports_429_with_retry_after(upstream, protocol, client):
 async def test_it_reports_401_as_a_final_auth_error(upstream, protocol, client):
     upstream.enqueue(ErrorReply(status=401, body=anthropic_error(
         "invalid x-api-key", type="authentication_error")))
-    _, error = await failure(protocol, client)
+    _, error = await failure(protocol, client, HELLO)
     assert (error.code, error.category, error.retryable) == (
         "upstream.auth", ErrorCategory.UPSTREAM, False)
     assert error.message == (
@@ -322,7 +310,7 @@ async def test_it_reports_401_as_a_final_auth_error(upstream, protocol, client):
 async def test_it_reports_403_as_a_final_auth_error(upstream, protocol, client):
     upstream.enqueue(ErrorReply(status=403, body=HTML_502.replace("502 Bad Gateway",
                                                                    "403 Forbidden")))
-    _, error = await failure(protocol, client)
+    _, error = await failure(protocol, client, HELLO)
     assert (error.code, error.retryable) == ("upstream.auth", False)
     assert error.message == "the provider rejected the credentials (status 403, HTML error page)"
 
@@ -330,7 +318,7 @@ async def test_it_reports_403_as_a_final_auth_error(upstream, protocol, client):
 async def test_it_uses_our_message_alone_for_an_unrecognised_body(upstream, protocol, client):
     upstream.enqueue(ErrorReply(status=503, body="upstream connect error or disconnect",
                                 content_type="text/plain"))
-    _, error = await failure(protocol, client)
+    _, error = await failure(protocol, client, HELLO)
     assert (error.code, error.retryable) == ("upstream.error", True)
     assert error.message == "the provider failed (status 503)"
 
@@ -338,7 +326,7 @@ async def test_it_uses_our_message_alone_for_an_unrecognised_body(upstream, prot
 async def test_it_sends_exactly_one_request_for_a_failing_call(upstream, protocol, client):
     # SDK retries are off: retrying is the run's decision, not the SDK's.
     upstream.enqueue(ErrorReply(status=503, body=HTML_502), ErrorReply(status=503, body=HTML_502))
-    await failure(protocol, client)
+    await failure(protocol, client, HELLO)
     assert len(upstream.requests) == 1
 
 
@@ -347,7 +335,7 @@ async def test_it_logs_the_raw_body_but_never_returns_it(upstream, protocol, cli
                         type="server_error") + "\n<!-- trace 5f1e-internal-node-42 -->"
     upstream.enqueue(ErrorReply(status=500, body=body, content_type="application/json"))
     with caplog.at_level(logging.WARNING, logger="sage.upstream"):
-        _, error = await failure(protocol, client)
+        _, error = await failure(protocol, client, HELLO)
     assert "5f1e-internal-node-42" not in json.dumps(error.to_dict())
     assert error.message == "the provider failed (status 500)"
     logged = [r.getMessage() for r in caplog.records if r.name == "sage.upstream"]
@@ -357,7 +345,7 @@ async def test_it_logs_the_raw_body_but_never_returns_it(upstream, protocol, cli
 async def test_it_reports_an_error_event_inside_the_stream(upstream, protocol, client):
     upstream.enqueue(Reply(text="Partial answer", error_after_text={
         "type": "overloaded_error", "message": "Overloaded TRACE-31"}))
-    received, error = await failure(protocol, client)
+    received, error = await failure(protocol, client, HELLO)
     assert [i.text for i in received] == ["Partial ", "answer"]
     assert (error.code, error.retryable) == ("upstream.error", True)
     # Anthropic's error event maps to the status its type has as an HTTP response.
@@ -367,7 +355,7 @@ async def test_it_reports_an_error_event_inside_the_stream(upstream, protocol, c
 
 async def test_it_reports_a_dropped_stream_as_retryable(upstream, protocol, client):
     upstream.enqueue(Reply(text="cut off here", drop_after_text=True))
-    received, error = await failure(protocol, client)
+    received, error = await failure(protocol, client, HELLO)
     assert len(received) == 3
     assert (error.code, error.retryable) == ("upstream.error", True)
 
@@ -377,7 +365,7 @@ async def test_it_reports_a_read_timeout_as_retryable(upstream, protocol):
     upstream.enqueue(Reply(text="slow reply here", gate=gate))
     async with sdk_client(protocol, upstream.base_url(protocol), timeout=0.3) as client:
         try:
-            received, error = await failure(protocol, client)
+            received, error = await failure(protocol, client, HELLO)
         finally:
             gate.set()
     assert received == [TextDelta(text="slow ")]
@@ -397,7 +385,7 @@ async def test_it_reports_connection_refused_as_retryable(protocol, caplog):
     url = refused_url()
     async with sdk_client(protocol, url + "/v1" if protocol == "openai" else url) as client:
         with caplog.at_level(logging.WARNING, logger="sage.upstream"):
-            received, error = await failure(protocol, client)
+            received, error = await failure(protocol, client, HELLO)
     assert received == []
     assert (error.code, error.category, error.retryable) == (
         "upstream.error", ErrorCategory.UPSTREAM, True)
@@ -415,7 +403,7 @@ async def test_it_closes_the_client(upstream, protocol):
 
 async def test_it_serves_concurrent_streams_on_one_client(upstream, protocol, client):
     upstream.enqueue(*(Reply(text=f"reply {n}") for n in range(5)))
-    results = await asyncio.gather(*(collect(protocol, client) for _ in range(5)))
+    results = await asyncio.gather(*(collect(protocol, client, HELLO) for _ in range(5)))
     assert sorted(text_of(r) for r in results) == [f"reply {n}" for n in range(5)]
 
 
@@ -424,7 +412,7 @@ async def test_it_serves_concurrent_streams_on_one_client(upstream, protocol, cl
 async def test_it_normalizes_a_truncated_reply_to_max_tokens(upstream, protocol, vendor_reason,
                                                              client):
     upstream.enqueue(Reply(text="cut", stop_reason=vendor_reason))
-    items = await collect(protocol, client)
+    items = await collect(protocol, client, HELLO)
     assert items[-1].stop_reason == "max_tokens"
 
 
@@ -433,7 +421,7 @@ async def test_it_reports_tool_use_when_a_server_finishes_tool_calls_with_stop(u
     upstream.enqueue(Reply(text="", stop_reason="stop",
                            tool_calls=({"name": "clock", "arguments": {}},)))
     async with sdk_client("openai", upstream.openai_base_url) as client:
-        items = await collect("openai", client)
+        items = await collect("openai", client, HELLO)
     assert [i for i in items if isinstance(i, ToolCall)] == [
         ToolCall(id="call_fake_0", name="clock", arguments={})]
     assert items[-1].stop_reason == "tool_use"
@@ -442,7 +430,7 @@ async def test_it_reports_tool_use_when_a_server_finishes_tool_calls_with_stop(u
 async def test_it_builds_and_closes_clients_through_the_package_helpers(upstream, protocol):
     client = await create_client(make_record(upstream.base_url(protocol), protocol))
     upstream.enqueue(Reply(text="pooled"))
-    items = await collect(protocol, client)
+    items = await collect(protocol, client, HELLO)
     await close_client(client)
     assert text_of(items) == "pooled"
     assert client.is_closed()

@@ -17,6 +17,7 @@ import pytest
 from pooling.providers import ModelRequest, StreamEnd, TextDelta, get_adapter
 from pooling.providers.errors import DEFAULT_RETRY_AFTER_SECONDS
 from sageproject.errors import ErrorCategory, UpstreamError
+from tests.pooling.helpers import failure
 from tests.pooling.upstream import (  # noqa: F401  (upstream_fixture registers "upstream")
     FAULTS,
     RawStream,
@@ -98,11 +99,8 @@ async def client(upstream, protocol):
 async def stream_fault(upstream: UpstreamServer, protocol: str, client, fault: str,
                        caplog) -> tuple[list, BaseException]:
     upstream.enqueue(fault_catalogue(API_KEY)[fault])
-    received: list = []
-    with caplog.at_level(logging.DEBUG), pytest.raises(Exception) as caught:
-        async for item in get_adapter(protocol).stream(client, HELLO):
-            received.append(item)
-    return received, caught.value
+    with caplog.at_level(logging.DEBUG):
+        return await failure(protocol, client, HELLO, Exception)
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -172,12 +170,8 @@ async def test_it_passes_on_the_text_of_a_stream_dropped_mid_token_and_fails_it(
     upstream, protocol, client
 ):
     upstream.enqueue(Reply(text="Partial answer", cut_mid_event=True, drop_after_text=True))
-    received = []
-    with pytest.raises(UpstreamError) as caught:
-        async for item in get_adapter(protocol).stream(client, HELLO):
-            received.append(item)
+    received, error = await failure(protocol, client, HELLO)
     assert received == [TextDelta(text="Partial "), TextDelta(text="answer")]
-    error = caught.value
     assert (error.code, error.retryable, error.message) == (
         "upstream.error", True, DROPPED_MID_EVENT[protocol]
     )
@@ -194,8 +188,6 @@ async def test_it_reports_an_event_of_the_wrong_shape_as_an_invalid_response(
     upstream, protocol, client, chunk, label
 ):
     upstream.enqueue(RawStream(chunks=(chunk,)))
-    with pytest.raises(UpstreamError) as caught:
-        async for _ in get_adapter(protocol).stream(client, HELLO):
-            pass
-    assert (caught.value.code, caught.value.retryable) == ("upstream.error", True)
-    assert caught.value.message == f"{INVALID}{label})"
+    _, error = await failure(protocol, client, HELLO)
+    assert (error.code, error.retryable) == ("upstream.error", True)
+    assert error.message == f"{INVALID}{label})"

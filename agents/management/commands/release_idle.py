@@ -6,6 +6,7 @@ waits for its answer; with no worker running it says so at the deadline.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from django.core.management.base import BaseCommand
@@ -15,6 +16,7 @@ from agents.management.commands._output import emit_json, fail
 from agents.models import ReclamationRequest, ReclamationStatus
 from agents.services.reclamations import reclamation_create, wait_for_answer
 from sageproject.errors import UnavailableError
+from sageproject.progress import Progress
 
 
 class Command(BaseCommand):
@@ -42,7 +44,7 @@ class Command(BaseCommand):
             min_idle_seconds=options["min_idle"],
             limit=options["limit"],
         )
-        answer = wait_for_answer(request, timeout=options["wait"])
+        answer = self._wait(request, options["wait"])
         if answer is None:
             # Nobody took it: withdraw it so a worker started later does not act on a
             # stale request (conditional: a worker that just took it still answers).
@@ -75,3 +77,16 @@ class Command(BaseCommand):
             return
         message = (answer.outcome or {}).get("message", "")
         self.stdout.write(f"reclamation #{answer.pk} {answer.status}: {message}")
+
+    def _wait(self, request: ReclamationRequest, seconds: float) -> ReclamationRequest | None:
+        """`wait_for_answer` a second at a time, the seconds waited drawn on a terminal
+        (sageproject.progress)."""
+        deadline = time.monotonic() + seconds
+        label = f"release_idle: waiting for a worker to answer #{request.pk}"
+        with Progress(label, total=seconds, unit="s", stream=self.stderr) as bar:
+            while True:
+                left = max(0.0, deadline - time.monotonic())
+                answer = wait_for_answer(request, timeout=min(1.0, left))
+                bar.update(seconds - max(0.0, deadline - time.monotonic()))
+                if answer is not None or left <= 0:
+                    return answer

@@ -27,7 +27,7 @@ class Command(BaseCommand):
             "--max-concurrent",
             type=int,
             default=None,
-            help="override SAGE_SERVER_MAX_CONCURRENT_RUNS",
+            help="this worker's slots (overrides SAGE_WORKER_CONCURRENT_RUNS)",
         )
 
     def handle(self, *args, **options) -> None:

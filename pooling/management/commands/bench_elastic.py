@@ -30,6 +30,7 @@ import psutil
 
 from pooling.elastic import Janitor, pool_with_spares, spares_for
 from pooling.interpreters import InterpreterLimits, WarmInterpreter
+from sageproject.progress import note
 
 try:  # The command wrapper needs Django; run_benchmark does not.
     from django.core.management.base import BaseCommand
@@ -358,6 +359,7 @@ class Command(BaseCommand):  # type: ignore[misc,valid-type]
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        note("replaying the traffic trace", stream=self.stderr, prefix="bench_elastic")
         for line in run_benchmark(
             ceiling=options["ceiling"],
             janitor_interval=options["janitor_interval"],

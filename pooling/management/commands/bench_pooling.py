@@ -28,6 +28,7 @@ from typing import Any
 
 from pooling.budget import ModelConcurrencyBudget
 from pooling.clients import ModelClientPool
+from sageproject.progress import note
 
 try:  # The command wrapper needs Django; run_benchmarks does not.
     from django.core.management.base import BaseCommand
@@ -239,4 +240,5 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         repeats = max(1, int(options["repeats"]))
+        note(f"timing each path, best of {repeats}", stream=self.stderr, prefix="bench_pooling")
         run_benchmarks(emit=lambda line: self.stdout.write(json.dumps(line)), repeats=repeats)

@@ -129,6 +129,7 @@ from django.db import connections
 from django.test.utils import override_settings
 
 from sageproject.db import database_url as _database_url
+from sageproject.progress import note
 from scheduling.children import Child
 
 ROOT = Path(settings.BASE_DIR)
@@ -152,8 +153,7 @@ _CLEARED_ENV = ("SAGE_TEST_DB_NAME", "SAGE_CRASH_AT", "SAGE_STOP_AT", "DJANGO_SE
 
 
 def progress(message: str) -> None:
-    if sys.stderr.isatty():
-        print(f"bench_e2e: {message}", file=sys.stderr, flush=True)
+    note(message, prefix="bench_e2e")  # a terminal only (sageproject.progress)
 
 
 def pct_ms(ordered: list[float], q: float) -> float:

@@ -53,6 +53,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connections, transaction
 
 from sageproject.db import db_call
+from sageproject.progress import note
 from scheduling.db_scheduler import DatabaseScheduler
 from scheduling.management.commands.bench_persist import (
     add_backend_argument,
@@ -306,6 +307,12 @@ def scenarios(options: dict[str, Any], *, big: int, run_ms: float) -> list[Scena
     ]
 
 
+def announce(backend: str, scenario: Scenario, stream: Any) -> None:
+    """The scenario about to run, on a terminal only (sageproject.progress)."""
+    what = f"{backend}: {scenario.order} order, per user {scenario.per_user}"
+    note(what, stream=stream, prefix="bench_fairness")
+
+
 class Command(BaseCommand):
     help = (
         "Queue waits of four small users behind one big user: fair vs oldest-first order, "
@@ -348,6 +355,7 @@ class Command(BaseCommand):
         backend = options["backend"]
         if backend in ("memory", "both"):
             for scenario in scenarios(options, big=options["big"], run_ms=options["run_ms"]):
+                announce("memory", scenario, self.stderr)
                 self._emit(asyncio.run(simulate(scenario)))
         if backend in ("database", "both"):
             require_scratch_queue()
@@ -356,6 +364,7 @@ class Command(BaseCommand):
                 for scenario in scenarios(
                     options, big=options["db_big"], run_ms=options["db_run_ms"]
                 ):
+                    announce("database", scenario, self.stderr)
                     self._emit(asyncio.run(simulate_db(scenario, owners)))
             finally:
                 delete_users(owners.values())

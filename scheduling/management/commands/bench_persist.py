@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import sys
 import time
 import uuid
 from collections.abc import Iterable
@@ -37,6 +36,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
+from sageproject.progress import note
 from scheduling import runs
 from scheduling.models import Event, Run, RunStatus, Session
 from scheduling.runs import Fence
@@ -48,7 +48,7 @@ LEASE = timedelta(hours=1)
 
 
 def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    note(message, prefix="bench_persist")  # a terminal only (sageproject.progress)
 
 
 def add_backend_argument(parser: Any, *, memory: str, database: str) -> None:

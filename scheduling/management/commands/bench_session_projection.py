@@ -9,7 +9,6 @@ no model I/O: the figures cannot be turned into QPS.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import orjson
 from django.core.management.base import BaseCommand, CommandError
 
+from sageproject.progress import note
 from scheduling.serialization import SessionEvent, serializer_calls
 from scheduling.store import dump_events
 
@@ -69,7 +69,7 @@ class Command(BaseCommand):
         events, repeats = options["events"], options["repeats"]
         if events < 1 or repeats < 1:
             raise CommandError("events and repeats must be positive")
-        print(f"building {events} events", file=sys.stderr)
+        note(f"building {events} events", stream=self.stderr, prefix="bench_session_projection")
         history = build_history(events)  # construction is outside the timed sections
         full = measure(history, None, repeats)
         append = measure(history, events - 1, repeats)

@@ -56,6 +56,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
 from sageproject.db import db_call
+from sageproject.progress import note
 from scheduling import runs
 from scheduling.db_scheduler import DatabaseScheduler, lease_fence
 from scheduling.management.commands.bench_persist import (
@@ -350,6 +351,8 @@ class Command(BaseCommand):
             require_scratch_queue()
             count = min(options["users"], sessions)
             owners = list(bench_users(f"u{i}" for i in range(count)).values())
+        what = f"{sessions} sessions x {writes} writes, {backend}"
+        note(what, stream=self.stderr, prefix="bench_single_host")
         try:
             lines = asyncio.run(
                 bench(sessions, writes, io_ms, options["repeat"], backend=backend, owners=owners)

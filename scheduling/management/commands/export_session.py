@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.management.base import BaseCommand, CommandError
 
+from sageproject.progress import Progress, is_terminal
 from scheduling.models import Session
 from scheduling.serialization import export_session_lines
 
@@ -31,8 +33,16 @@ class Command(BaseCommand):
             session = Session.objects.using(db).get(pk=options["session_id"])
         except (Session.DoesNotExist, DjangoValidationError, ValueError):
             raise CommandError(f"no session {options['session_id']!r}") from None
-        lines = export_session_lines(session, using=db)
-        if options["output"] == "-":
+        # Lines written, on a terminal only (sageproject.progress), and not while the lines
+        # themselves go to that terminal.
+        to_terminal = options["output"] == "-" and is_terminal(self.stdout)
+        with Progress(
+            "export_session", unit="lines", stream=self.stderr, enabled=not to_terminal
+        ) as bar:
+            self._write(bar.track(export_session_lines(session, using=db)), options["output"])
+
+    def _write(self, lines: Iterator[bytes], output: str) -> None:
+        if output == "-":
             # Bytes straight to the binary stream: the payloads are already JSON text.
             stream = getattr(self.stdout, "_out", sys.stdout)
             binary = getattr(stream, "buffer", None)
@@ -44,6 +54,6 @@ class Command(BaseCommand):
                 for line in lines:
                     self.stdout.write(line.decode(), ending="")
             return
-        with open(options["output"], "wb") as handle:
+        with open(output, "wb") as handle:
             for line in lines:
                 handle.write(line)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from typing import Any
 
@@ -10,6 +12,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
 from sageproject.errors import SageError
+from sageproject.progress import Progress
 from scheduling.serialization import import_session_lines
 
 
@@ -46,15 +49,22 @@ class Command(BaseCommand):
             except User.DoesNotExist:
                 raise CommandError(f"no user {options['owner']!r}") from None
         try:
-            if options["file"] == "-":
-                session = import_session_lines(
-                    sys.stdin.buffer, using=db, owner=owner, create_owner=options["create_owner"]
+            with contextlib.ExitStack() as stack:
+                if options["file"] == "-":
+                    source, size = sys.stdin.buffer, None
+                else:
+                    source = stack.enter_context(open(options["file"], "rb"))
+                    size = os.fstat(source.fileno()).st_size
+                # Bytes read, on a terminal only (sageproject.progress).
+                bar = stack.enter_context(
+                    Progress("import_session", total=size, unit="B", stream=self.stderr)
                 )
-            else:
-                with open(options["file"], "rb") as handle:
-                    session = import_session_lines(
-                        handle, using=db, owner=owner, create_owner=options["create_owner"]
-                    )
+                session = import_session_lines(
+                    bar.track(source, len),
+                    using=db,
+                    owner=owner,
+                    create_owner=options["create_owner"],
+                )
         except OSError as exc:
             raise CommandError(f"cannot read {options['file']}: {exc}") from exc
         except SageError as exc:

@@ -1,0 +1,553 @@
+"""``GET /metrics``: the host's figures in the Prometheus text format.
+
+Answered only with ``Authorization: Bearer <SAGE_METRICS_TOKEN>`` (when that setting is
+set; compared in constant time) or a staff user's API token (``Authorization: Token …``);
+otherwise 401/403 in the error envelope. Not part of ``/api/v1/`` nor of its schema.
+
+Every scrape reads three sources, so the figures are right with any number of web
+processes, workers and hosts:
+
+- **The database** (a few aggregate queries, ages on the database's clock): runs by status
+  and queue, runs submitted / started / finished by outcome, queue depth and the age of the
+  oldest run waiting for a worker per queue. One grouped pass over the run table, plus an
+  index range over the ready queued runs (``run_fair_claim_ready``).
+- **The workers' snapshots** (``WorkerSnapshot``, published every 3 s and when a worker
+  stops): each worker's counters and histograms (`scheduling.figures`) and its capacity
+  figures (model calls, model clients, Applications, jobs, code-tool sessions), with a
+  ``worker`` label. A snapshot is shown while its heartbeat is at most
+  `WORKER_RETENTION_SECONDS` old, whether the worker runs or stopped, so a stopped worker's
+  counters do not vanish before the next scrapes see their last values.
+- **The web processes' own counters** (429 answers of the API by code), kept in
+  prometheus_client's multiprocess file format: each process adds to its own file in
+  ``SAGE_METRICS_DIR`` (default ``.local/metrics``) and a scrape sums them all. Counters of
+  processes that have exited are folded into one file (``counter_archive.db``) under a lock
+  when a process starts counting and at every scrape, so the directory stays small and
+  totals survive web-process restarts. One directory per host: process ids identify files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import hmac
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Count, Min
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.utils import floatToGoString
+from rest_framework import exceptions as drf_exceptions
+
+from sageproject.errors import ErrorCategory, envelope
+from scheduling import figures
+
+logger = logging.getLogger("sage.metrics")
+
+# A worker's snapshot is exposed while its heartbeat is at most this old (running or not).
+WORKER_RETENTION_SECONDS = 900
+# A running worker whose heartbeat is older is not counted in ``sage_workers_live``.
+STALE_HEARTBEAT_SECONDS = 30
+
+# ---------------------------------------------------------------- web-process counters
+
+API_RATE_LIMITED = "sage_api_rate_limited"
+API_RATE_LIMITED_HELP = "Answers 429 of the API (all web processes), by error code."
+ARCHIVE_FILE = "counter_archive.db"
+
+
+def metrics_dir() -> Path:
+    """``SAGE_METRICS_DIR``, or ``metrics`` in the project's local directory."""
+    configured = settings.SAGE.get("SAGE_METRICS_DIR")
+    return Path(configured) if configured else Path(settings.LOCAL_DIR) / "metrics"
+
+
+@contextlib.contextmanager
+def _dir_lock(path: Path) -> Iterator[None]:
+    """The directory's lock: held while dead processes' files are folded and while a scrape
+    reads, so a scrape never sees a count twice or not at all."""
+    with open(path / ".lock", "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fold_dead(path: Path) -> None:
+    """Add the counters of exited processes into the archive file and remove their files
+    (the caller holds the directory's lock)."""
+    dead = []
+    for name in glob.glob(str(path / "counter_*.db")):
+        pid = Path(name).stem.removeprefix("counter_")
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            dead.append(name)
+    if not dead:
+        return
+    archive = MmapedDict(str(path / ARCHIVE_FILE))
+    try:
+        for name in dead:
+            for key, value, _timestamp, _pos in MmapedDict.read_all_values_from_file(name):
+                total, _ = archive.read_value(key)
+                archive.write_value(key, total + value, 0.0)
+    finally:
+        archive.close()
+    for name in dead:
+        os.remove(name)
+
+
+class _ProcessCounters:
+    """This process's counters in ``counter_<pid>.db`` of the metrics directory."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._opened: tuple[Path, int] | None = None
+        self._file: MmapedDict | None = None
+        self._values: dict[str, float] = {}
+
+    def _open(self) -> MmapedDict:
+        place = (metrics_dir(), os.getpid())
+        if self._file is not None and self._opened == place:
+            return self._file
+        if self._file is not None:
+            self._file.close()
+        path = place[0]
+        path.mkdir(parents=True, exist_ok=True)
+        with _dir_lock(path):
+            _fold_dead(path)
+        self._file = MmapedDict(str(path / f"counter_{place[1]}.db"))
+        self._opened, self._values = place, {}
+        return self._file
+
+    def add(self, metric: str, labels: dict[str, str], help_text: str, amount: float) -> None:
+        key = mmap_key(metric, f"{metric}_total", list(labels), list(labels.values()), help_text)
+        with self._lock:
+            file = self._open()
+            if key not in self._values:
+                self._values[key] = file.read_value(key)[0]
+            self._values[key] += amount
+            file.write_value(key, self._values[key], 0.0)
+
+
+_process_counters = _ProcessCounters()
+
+
+def rate_limited(code: str) -> None:
+    """Count one 429 answer of the API (``code``: the error's). Never raises: a metrics
+    problem must not turn an answer into a 500."""
+    try:
+        _process_counters.add(API_RATE_LIMITED, {"code": code}, API_RATE_LIMITED_HELP, 1)
+    except Exception as exc:
+        logger.warning("could not count a 429 answer: %s", exc)
+
+
+def _api_families() -> list[Metric]:
+    family = CounterMetricFamily(API_RATE_LIMITED, API_RATE_LIMITED_HELP, labels=["code"])
+    path = metrics_dir()
+    if path.is_dir():
+        with _dir_lock(path):
+            _fold_dead(path)
+            files = glob.glob(str(path / "counter_*.db"))
+            merged = MultiProcessCollector.merge(files, accumulate=True)
+        totals: dict[str, float] = {}
+        for metric in merged:
+            if metric.name != API_RATE_LIMITED:
+                continue
+            for sample in metric.samples:
+                code = sample.labels.get("code", "")
+                totals[code] = totals.get(code, 0) + sample.value
+        for code, value in sorted(totals.items()):
+            family.add_metric([code], value)
+    return [family]
+
+
+# ---------------------------------------------------------------- the database's figures
+
+
+def _run_families(now: datetime) -> list[Metric]:
+    from scheduling.models import TERMINAL_STATUSES, Run, RunQueue, RunStatus
+
+    queues = [q.value for q in RunQueue]
+    counts = {(s.value, q): (0, 0) for s in RunStatus for q in queues}
+    rows = (
+        Run.objects.values_list("status", "queue")
+        .annotate(n=Count("*"), started=Count("started_at"))
+        .order_by()
+    )
+    for status, queue, n, started in rows:
+        counts[(status, queue)] = (n, started)
+    oldest = dict(
+        Run.objects.filter(status=RunStatus.QUEUED, ready=True)
+        .values_list("queue")
+        .annotate(oldest=Min("available_at"))
+        .order_by()
+    )
+    by_status = GaugeMetricFamily(
+        "sage_runs", "Runs in the database by status and queue.", labels=["status", "queue"]
+    )
+    submitted = CounterMetricFamily(
+        "sage_runs_submitted", "Runs admitted (every run in the database).", labels=["queue"]
+    )
+    started = CounterMetricFamily(
+        "sage_runs_started", "Runs a worker has started (started_at set).", labels=["queue"]
+    )
+    finished = CounterMetricFamily(
+        "sage_runs_finished",
+        "Runs that ended, by outcome (terminal status).",
+        labels=["queue", "outcome"],
+    )
+    depth = GaugeMetricFamily("sage_queue_depth", "Queued runs.", labels=["queue"])
+    age = GaugeMetricFamily(
+        "sage_queue_oldest_age_seconds",
+        "Seconds the oldest run waiting for a worker has been available (queued, its "
+        "session's turn; 0 when none), on the database's clock.",
+        labels=["queue"],
+    )
+    for queue in queues:
+        for status in RunStatus:
+            n = counts[(status.value, queue)][0]
+            by_status.add_metric([status.value, queue], n)
+            if status in TERMINAL_STATUSES:
+                finished.add_metric([queue, status.value], n)
+        submitted.add_metric([queue], sum(counts[(s.value, queue)][0] for s in RunStatus))
+        started.add_metric([queue], sum(counts[(s.value, queue)][1] for s in RunStatus))
+        depth.add_metric([queue], counts[(RunStatus.QUEUED.value, queue)][0])
+        since = oldest.get(queue)
+        age.add_metric([queue], max((now - since).total_seconds(), 0.0) if since else 0.0)
+    return [by_status, submitted, started, finished, depth, age]
+
+
+# ---------------------------------------------------------------- the workers' snapshots
+
+# Capacity figures of a snapshot: family, type, where in ``WorkerSnapshot.capacity``, help.
+SNAPSHOT_FIGURES: tuple[tuple[str, str, str, str], ...] = (
+    ("sage_worker_runs_executing", "gauge", "runs.active", "Runs the worker is executing."),
+    (
+        "sage_model_calls_active",
+        "gauge",
+        "executor.model_calls.active",
+        "Model calls holding a slot.",
+    ),
+    (
+        "sage_model_calls_waiting",
+        "gauge",
+        "executor.model_calls.waiting",
+        "Model calls waiting for a slot.",
+    ),
+    ("sage_model_calls_limit", "gauge", "executor.model_calls.limit", "Model-call slots."),
+    (
+        "sage_model_calls_rejected",
+        "counter",
+        "executor.model_calls.rejected",
+        "Model calls refused (model.queue_full).",
+    ),
+    (
+        "sage_model_calls_timed_out",
+        "counter",
+        "executor.model_calls.timed_out",
+        "Model calls that waited in vain (model.queue_timeout).",
+    ),
+    ("sage_model_clients", "gauge", "executor.model_clients.clients", "Pooled model clients."),
+    (
+        "sage_model_clients_closing",
+        "gauge",
+        "executor.model_clients.closing_clients",
+        "Model clients closing after their last lease.",
+    ),
+    (
+        "sage_model_client_leases",
+        "gauge",
+        "executor.model_clients.active_leases",
+        "Model client leases held.",
+    ),
+    (
+        "sage_model_clients_max",
+        "gauge",
+        "executor.model_clients.max_clients",
+        "Most model clients the pool keeps.",
+    ),
+    (
+        "sage_model_client_constructions",
+        "counter",
+        "executor.model_clients.constructions",
+        "Model clients constructed.",
+    ),
+    (
+        "sage_applications_resident",
+        "gauge",
+        "executor.management.applications",
+        "Resident Applications.",
+    ),
+    (
+        "sage_applications_limit",
+        "gauge",
+        "executor.management.limit",
+        "Most resident Applications.",
+    ),
+    (
+        "sage_jobs_active",
+        "gauge",
+        "executor.jobs.admitted",
+        "Background jobs admitted and not ended.",
+    ),
+    ("sage_jobs_running", "gauge", "executor.jobs.running", "Background jobs running."),
+    (
+        "sage_jobs_retained",
+        "gauge",
+        "executor.jobs.retained_terminal",
+        "Ended background jobs still kept.",
+    ),
+    (
+        "sage_jobs_output_buffered_bytes",
+        "gauge",
+        "executor.jobs.buffered_output_bytes",
+        "Background job output held.",
+    ),
+    (
+        "sage_code_sessions_live",
+        "gauge",
+        "executor.code_tools.sessions.live",
+        "Live python_session kernels.",
+    ),
+    (
+        "sage_code_sessions_rss_bytes",
+        "gauge",
+        "executor.code_tools.sessions.rss",
+        "Memory of the live python_session kernels.",
+    ),
+    (
+        "sage_code_session_evictions",
+        "counter",
+        "executor.code_tools.sessions.evictions",
+        "python_session kernels closed for idleness or memory.",
+    ),
+)
+# The workers' own counters and histograms (`scheduling.figures`): family, help, labels.
+FIGURE_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    figures.LEASE_RECLAIMS: (
+        "sage_lease_reclaims",
+        "Dead leases the worker ended (the run requeued as a crash, or ended).",
+        (),
+    ),
+    figures.FENCE_REJECTIONS: (
+        "sage_fence_rejections",
+        "Writes of the worker refused by lease fencing (renew, events, outcome).",
+        ("write",),
+    ),
+    figures.SUSPENSIONS: ("sage_run_suspensions", "Runs the worker suspended, by code.", ("code",)),
+    figures.RATE_LIMITED: (
+        "sage_worker_rate_limited",
+        "Executions ended by a rate limit (the provider's 429 or a bound of the host), by code.",
+        ("code",),
+    ),
+    figures.MODEL_TOKENS: (
+        "sage_model_tokens",
+        "Tokens the provider reported, by model and type (input, output).",
+        ("model", "type"),
+    ),
+}
+FIGURE_HISTOGRAMS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    figures.START_WAIT: (
+        "sage_run_start_wait_seconds",
+        "Seconds from a run becoming available (admitted, resumed, requeued) to its claim.",
+        ("queue",),
+    ),
+    figures.EXECUTION: (
+        "sage_run_execution_seconds",
+        "Seconds from claim to committed outcome, per execution, by outcome.",
+        ("outcome",),
+    ),
+    figures.FIRST_TOKEN: (
+        "sage_model_first_token_seconds",
+        "Seconds from a model request to its first streamed item.",
+        ("model",),
+    ),
+}
+
+
+def _dig(data: Any, path: list[str]) -> float | None:
+    for key in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return float(data) if isinstance(data, int | float) and not isinstance(data, bool) else None
+
+
+def _worker_families(now: datetime) -> list[Metric]:
+    from scheduling.models import WorkerSnapshot
+
+    snapshots = list(
+        WorkerSnapshot.objects.filter(
+            heartbeat_at__gte=now - timedelta(seconds=WORKER_RETENTION_SECONDS)
+        )
+        .order_by("worker_id")
+        .values_list("worker_id", "heartbeat_at", "stopped_at", "capacity")
+    )
+    live = GaugeMetricFamily(
+        "sage_workers_live",
+        f"Running workers whose heartbeat is at most {STALE_HEARTBEAT_SECONDS} s old.",
+    )
+    up = GaugeMetricFamily(
+        "sage_worker_up", "1 while the worker runs, 0 once it stopped.", labels=["worker"]
+    )
+    heartbeat = GaugeMetricFamily(
+        "sage_worker_heartbeat_age_seconds",
+        "Seconds since the worker's last snapshot, on the database's clock.",
+        labels=["worker"],
+    )
+    kinds = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+    capacity_families = [
+        (kinds[kind](name, text, labels=["worker"]), path.split("."))
+        for name, kind, path, text in SNAPSHOT_FIGURES
+    ]
+    own = {
+        key: CounterMetricFamily(n, h, labels=["worker", *labels])
+        for key, (n, h, labels) in FIGURE_COUNTERS.items()
+    }
+    histograms = {
+        key: HistogramMetricFamily(n, h, labels=["worker", *labels])
+        for key, (n, h, labels) in FIGURE_HISTOGRAMS.items()
+    }
+    running = 0
+    for worker, beat, stopped, capacity in snapshots:
+        age = max((now - beat).total_seconds(), 0.0)
+        running += stopped is None and age <= STALE_HEARTBEAT_SECONDS
+        up.add_metric([worker], 0 if stopped else 1)
+        heartbeat.add_metric([worker], age)
+        for family, path in capacity_families:
+            value = _dig(capacity, path)
+            if value is not None:
+                family.add_metric([worker], value)
+        published = (capacity or {}).get("metrics") or {}
+        _add_counters(own, worker, published.get("counters") or {})
+        _add_histograms(histograms, worker, published.get("histograms") or {})
+    live.add_metric([], running)
+    families = [family for family, _ in capacity_families]
+    return [live, up, heartbeat, *families, *own.values(), *histograms.values()]
+
+
+def _add_counters(families: dict[str, Metric], worker: str, published: dict[str, Any]) -> None:
+    for key, family in families.items():
+        labels = FIGURE_COUNTERS[key][2]
+        series = published.get(key) or []
+        if not labels and not series:
+            family.add_metric([worker], 0)  # a plain counter is shown from the start
+        for values, value in series:
+            family.add_metric([worker, *(str(values.get(n, "")) for n in labels)], value)
+
+
+def _add_histograms(families: dict[str, Metric], worker: str, published: dict[str, Any]) -> None:
+    for key, family in families.items():
+        labels = FIGURE_HISTOGRAMS[key][2]
+        entry = published.get(key) or {}
+        bounds = entry.get("bounds") or []
+        for values, data in entry.get("series") or []:
+            buckets = [
+                (floatToGoString(bound), count)
+                for bound, count in zip(bounds, data["buckets"], strict=True)
+            ]
+            buckets.append(("+Inf", data["count"]))
+            family.add_metric(
+                [worker, *(str(values.get(n, "")) for n in labels)], buckets, data["sum"]
+            )
+
+
+# ---------------------------------------------------------------- the scrape and the view
+
+
+class _Scrape:
+    """One scrape's collector (``generate_latest`` calls ``collect``)."""
+
+    def collect(self) -> Iterator[Metric]:
+        from scheduling.runs import db_now
+
+        now = db_now()
+        yield from _run_families(now)
+        yield from _worker_families(now)
+        yield from _api_families()
+
+
+def exposition() -> bytes:
+    """Every family, in the Prometheus text format (version 0.0.4)."""
+    return generate_latest(_Scrape())  # type: ignore[arg-type]
+
+
+def _refusal(status: int, code: str, message: str, category: ErrorCategory) -> JsonResponse:
+    response = JsonResponse(envelope(code, message, category=category), status=status)
+    if status == 401:
+        response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+    return response
+
+
+def _refused(request: HttpRequest) -> JsonResponse | None:
+    """None when the request may read the metrics, else the answer (401 or 403)."""
+    scheme, _, credential = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")
+    if scheme.lower() == "bearer":
+        expected = settings.SAGE.get("SAGE_METRICS_TOKEN") or ""
+        given = credential.strip().encode()
+        if expected and hmac.compare_digest(given, expected.encode()):
+            return None
+        return _refusal(401, "auth.required", "invalid metrics token", ErrorCategory.AUTHENTICATION)
+    if scheme.lower() == "token":
+        from sageproject.authentication import TokenAuthentication
+
+        try:
+            authenticated = TokenAuthentication().authenticate(request)
+        except drf_exceptions.AuthenticationFailed as exc:
+            return _refusal(401, "auth.required", str(exc.detail), ErrorCategory.AUTHENTICATION)
+        if authenticated is not None:
+            if authenticated[0].is_staff:
+                return None
+            return _refusal(
+                403, "auth.forbidden", "metrics are for staff", ErrorCategory.AUTHORIZATION
+            )
+    return _refusal(
+        401,
+        "auth.required",
+        "send Authorization: Bearer <SAGE_METRICS_TOKEN> or a staff user's Token",
+        ErrorCategory.AUTHENTICATION,
+    )
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """``GET /metrics`` (see the module text)."""
+    if request.method != "GET":
+        response = JsonResponse(
+            envelope(
+                "request.method_not_allowed",
+                f'Method "{request.method}" not allowed.',
+                category=ErrorCategory.VALIDATION,
+            ),
+            status=405,
+        )
+        response["Allow"] = "GET"
+        return response
+    refused = _refused(request)
+    if refused is not None:
+        return refused
+    return HttpResponse(exposition(), content_type=CONTENT_TYPE_PLAIN_0_0_4)
