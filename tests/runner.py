@@ -1,5 +1,5 @@
-"""``make test``: the whole suite on SQLite, then the storage tests on each server database
-(on PostgreSQL with the reduced torture checks of ``tests/torture``).
+"""``make test``: the whole suite on SQLite and, side by side, the storage tests on each
+server database (on PostgreSQL with the reduced torture checks of ``tests/torture``).
 
 PostgreSQL and MySQL/MariaDB are used when reachable; with CI=true they are required and
 an unreachable one fails the run. pytest's exit code 5 (no tests ran) counts as failure.
@@ -12,7 +12,9 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
 CI = os.environ.get("CI", "").lower() == "true"
@@ -34,27 +36,35 @@ def reachable(url: str) -> bool:
         return False
 
 
-def run(label: str, url: str, args: list[str]) -> tuple[int, str]:
+def start(label: str, url: str, args: list[str]) -> tuple[subprocess.Popen, Any]:
+    """Start one database's pytest run; its output goes to a temporary file."""
     env = {**os.environ, "DATABASE_URL": url, "SAGE_TEST_DB_NAME": f"test_sage_{os.getpid()}"}
     if url.startswith("sqlite"):
         env.pop("SAGE_TEST_DB_NAME")
-    print(f"\n=== {label}: pytest {' '.join(args)}", flush=True)
-    started = time.monotonic()
+    print(f"=== {label}: pytest {' '.join(args)} (started)", flush=True)
+    log = tempfile.TemporaryFile(mode="w+", encoding="utf-8")
     process = subprocess.Popen(
         [sys.executable, "-m", "pytest", *args],
         env=env,
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    tail = ""
-    assert process.stdout is not None
-    for line in process.stdout:
-        sys.stdout.write(line)
-        tail = line.strip() or tail
+    return process, log
+
+
+def finish(label: str, process: subprocess.Popen, log: Any, started: float) -> tuple[int, str]:
+    """Wait for a run, print its whole output in one piece, and return (exit code, the
+    pytest summary line)."""
     code = process.wait()
     elapsed = time.monotonic() - started
-    summary = re.sub(r"^=+\s*|\s*=+$", "", tail)
+    log.seek(0)
+    output = log.read()
+    log.close()
+    print(f"\n=== {label}", flush=True)
+    sys.stdout.write(output)
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    summary = re.sub(r"^=+\s*|\s*=+$", "", lines[-1] if lines else "")
     print(f"=== {label}: exit {code} in {elapsed:.0f}s — {summary}", flush=True)
     return code, summary
 
@@ -62,8 +72,10 @@ def run(label: str, url: str, args: list[str]) -> tuple[int, str]:
 def main() -> int:
     extra = sys.argv[1:]
     results: list[tuple[str, int, str]] = []
-    code, summary = run("SQLite", "sqlite:///:memory:", ["-q", *extra])
-    results.append(("SQLite (whole suite)", code, summary))
+    # The databases' runs go side by side (separate databases, separate processes): most of
+    # a run is waiting on workers, servers and subprocesses, so together they take little
+    # longer than the longest alone.
+    phases = [("SQLite (whole suite)", "sqlite:///:memory:", ["-q", *extra])]
     for label, url in SERVERS:
         if not reachable(url):
             if CI:
@@ -79,8 +91,14 @@ def main() -> int:
         # PostgreSQL also runs the reduced torture checks (tests/torture; SQLite runs them
         # in the whole suite): hostile input and broken upstreams against a live host.
         marker = "storage or torture" if label == "PostgreSQL" else "storage"
-        code, summary = run(label, url, ["-q", "-m", marker, *extra])
-        results.append((f"{label} ({marker.replace(' or ', ' + ')} tests)", code, summary))
+        phases.append(
+            (f"{label} ({marker.replace(' or ', ' + ')} tests)", url, ["-q", "-m", marker, *extra])
+        )
+    started = time.monotonic()
+    running = [(label, *start(label, url, args)) for label, url, args in phases]
+    for label, process, log in running:
+        code, summary = finish(label, process, log, started)
+        results.append((label, code, summary))
     print("\n=== summary")
     failed = False
     totals = {"passed": 0, "failed": 0, "skipped": 0}
@@ -93,8 +111,9 @@ def main() -> int:
             totals["failed" if word == "error" else word] += int(count)
         if code != 0 and not re.search(r"\d+ (failed|error)", summary):
             totals["failed"] += 1  # a run that broke without a count still fails the total
-    print(f"total: {totals['passed']} passed, {totals['failed']} failed, "
-          f"{totals['skipped']} skipped")
+    print(
+        f"total: {totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped"
+    )
     return 1 if failed else 0
 
 
