@@ -441,8 +441,7 @@ class SageAdminSite(admin.AdminSite):
         unfinished_jobs = unfinished(JobRecord.objects.all())
         jobs = dict(unfinished_jobs.values_list("state").annotate(n=Count("pk")).order_by())
         jobs["cancel_requested"] = unfinished_jobs.filter(cancel_requested=True).count()
-        now_db = now
-        history = samples.history(CHART_SECONDS, now=now_db)
+        history = samples.history(CHART_SECONDS, now=now)
         context = {
             **self.each_context(request),
             "title": "Capacity",
@@ -450,7 +449,7 @@ class SageAdminSite(admin.AdminSite):
             "counts": counts,
             "cards": _cards(workers, counts, jobs),
             "charts": _history_charts(
-                history, now_db, settings.SAGE["SAGE_SERVER_MAX_CONCURRENT_RUNS"]
+                history, now, settings.SAGE["SAGE_SERVER_MAX_CONCURRENT_RUNS"]
             ),
             "pool_charts": _pool_charts(workers),
             "samples": len(history),
