@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -30,7 +31,6 @@ start_worker = e2e.start_worker  # the fixture: a real worker in a thread of thi
 STREAM_SECONDS = 2
 PENDING_PER_USER = 3
 UI_ORIGIN = "http://ui.example:3000"
-HUMAN = {"type": "human", "content": [{"type": "text", "text": "please calculate 2+2"}]}
 
 
 @pytest.fixture(scope="module")
@@ -63,28 +63,32 @@ def human(text: str) -> dict:
     return {"messages": [{"type": "human", "content": [{"type": "text", "text": text}]}]}
 
 
+def stream_on_a_new_thread(client, assistant: str, text: str, **options: Any) -> tuple[str, list]:
+    """Create a thread and stream one run of ``assistant`` on it, asked ``text`` (``options``
+    as ``runs.stream`` takes them): the thread's id and every part of the stream."""
+    thread_id = client.threads.create()["thread_id"]
+    return thread_id, list(client.runs.stream(thread_id, assistant, input=human(text), **options))
+
+
 @pytest.mark.storage
 def test_a_thread_streams_a_run_and_keeps_its_state(lg_url, alice, demo, start_worker):
     start_worker()
     client = sdk(lg_url, alice)
-    thread = client.threads.create()
     created = []
-    parts = list(
-        client.runs.stream(
-            thread["thread_id"],
-            "demo/assistant",
-            input={"messages": [HUMAN]},
-            stream_mode=["values", "messages-tuple", "updates", "events"],
-            stream_resumable=True,
-            on_disconnect="continue",
-            on_run_created=created.append,
-        )
+    thread_id, parts = stream_on_a_new_thread(
+        client,
+        "demo/assistant",
+        "please calculate 2+2",
+        stream_mode=["values", "messages-tuple", "updates", "events"],
+        stream_resumable=True,
+        on_disconnect="continue",
+        on_run_created=created.append,
     )
     assert parts[0].event == "metadata"
     assert parts[-1].event == "end"
     run_id = parts[0].data["run_id"]
     assert created[0]["run_id"] == run_id
-    assert created[0]["thread_id"] == thread["thread_id"]
+    assert created[0]["thread_id"] == thread_id
     assert Run.objects.get(pk=run_id).status == RunStatus.COMPLETED
     values = [p.data for p in parts if p.event == "values"]
     final = values[-1]["messages"]
@@ -93,17 +97,15 @@ def test_a_thread_streams_a_run_and_keeps_its_state(lg_url, alice, demo, start_w
     assert final[1]["tool_calls"][0]["name"] == "calculator"
     assert final[2]["content"] == "4"
     assert final[3]["content"] == "The result is 4."
-    state = client.threads.get_state(thread["thread_id"])
+    state = client.threads.get_state(thread_id)
     assert state["values"]["messages"] == final
     assert state["next"] == []
     assert (
         state["checkpoint"]["checkpoint_id"]
-        == client.threads.get_history(thread["thread_id"], limit=1)[0]["checkpoint"][
-            "checkpoint_id"
-        ]
+        == client.threads.get_history(thread_id, limit=1)[0]["checkpoint"]["checkpoint_id"]
     )
     # The session is the thread, bound to the run's assistant by its first run.
-    session = Session.objects.get(pk=thread["thread_id"])
+    session = Session.objects.get(pk=thread_id)
     assert (session.owner, session.package_name, session.agent_id) == (alice, "demo", "assistant")
     # Every event has an id, none twice; the chunks of each message add up to its text.
     assert all(p.id for p in parts) and "0" not in {p.id for p in parts}
@@ -298,14 +300,8 @@ def test_a_run_waiting_for_approval_is_resumed_with_a_command(
     packages.package_create(owner=alice, manifest=manifest)
     start_worker()
     client = sdk(lg_url, alice)
-    thread_id = client.threads.create()["thread_id"]
-    parts = list(
-        client.runs.stream(
-            thread_id,
-            "careful/assistant",
-            input=human("please calculate 2+2"),
-            stream_mode="values",
-        )
+    thread_id, parts = stream_on_a_new_thread(
+        client, "careful/assistant", "please calculate 2+2", stream_mode="values"
     )
     run_id = parts[0].data["run_id"]
     assert parts[-1].event == "end"
@@ -367,15 +363,12 @@ def test_a_stream_the_server_cuts_is_resumed_by_the_sdk(
             else None
         )
     )
-    thread_id = client.threads.create()["thread_id"]
-    parts = list(
-        client.runs.stream(
-            thread_id,
-            "long",
-            input=human("what time is it"),
-            stream_mode=["values", "messages-tuple"],
-            stream_resumable=True,
-        )
+    thread_id, parts = stream_on_a_new_thread(
+        client,
+        "long",
+        "what time is it",
+        stream_mode=["values", "messages-tuple"],
+        stream_resumable=True,
     )
     assert reconnects, "the stream was never cut"
     run_id = parts[0].data["run_id"]

@@ -809,14 +809,17 @@ def sse_lines(samples: list[SseSample], tokens_per_run: int, gap_ms: float) -> l
 
 
 class RedisStartsTarget(Target):
-    """A peer whose task records its start in a Redis hash (``benchpeers.recorder``)."""
+    """A peer whose task records its start in a Redis hash (``benchpeers.recorder``), run
+    by the worker processes its ``setup`` starts (``children``, logging to ``log_dir``)."""
 
     children: list[Child]
 
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, options: dict[str, Any], log_dir: Path) -> None:
         import redis
 
-        self.redis = redis.Redis.from_url(redis_url)
+        self.options = options
+        self.log_dir = log_dir
+        self.redis = redis.Redis.from_url(options["redis_url"])
         self.tag = uuid.uuid4().hex[:8]
         self.keys: list[str] = []
         self.children = []
@@ -838,18 +841,23 @@ class RedisStartsTarget(Target):
         return [float(values[str(i).encode()]) for i in range(count)]
 
     def close(self) -> None:
+        """Stop the workers, then remove what the peer left behind."""
+        for child in self.children:
+            child.stop()
+        self.clean_up()
         if self.keys:
             self.redis.delete(*self.keys)
         self.redis.close()
+
+    def clean_up(self) -> None:
+        """Remove the peer's own leftovers besides the start hashes (its workers are stopped)."""
 
 
 class CeleryPeer(RedisStartsTarget):
     name = "celery"
 
     def __init__(self, options: dict[str, Any], log_dir: Path) -> None:
-        super().__init__(options["redis_url"])
-        self.options = options
-        self.log_dir = log_dir
+        super().__init__(options, log_dir)
         self.queue = f"bench-e2e-{self.tag}"
         self.keys_before: set[bytes] = set()
 
@@ -890,23 +898,18 @@ class CeleryPeer(RedisStartsTarget):
     def submit(self, batch: Batch, index: int) -> None:
         self.task.delay(batch.key, index)
 
-    def close(self) -> None:
-        for child in self.children:
-            child.stop()
+    def clean_up(self) -> None:
         # Only what appeared since setup: the queue, its binding, the start hashes.
         added = set(self.redis.scan_iter(count=1000)) - self.keys_before
         if added:
             self.redis.delete(*added)
-        super().close()
 
 
 class ProcrastinatePeer(RedisStartsTarget):
     name = "procrastinate"
 
     def __init__(self, options: dict[str, Any], log_dir: Path) -> None:
-        super().__init__(options["redis_url"])
-        self.options = options
-        self.log_dir = log_dir
+        super().__init__(options, log_dir)
         self.schema = f"bench_e2e_procrastinate_{self.tag}"
         self.app: Any = None
         self.created = False
@@ -953,25 +956,17 @@ class ProcrastinatePeer(RedisStartsTarget):
     def submit(self, batch: Batch, index: int) -> None:
         self.task.defer(key=batch.key, i=index)
 
-    def close(self) -> None:
-        for child in self.children:
-            child.stop()
+    def clean_up(self) -> None:
         if self.app is not None:
             self.app.close()
         if self.created:
             self._execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
-        super().close()
 
 
 class DjangoTasksDbPeer(RedisStartsTarget):
     """Runs in a driver whose database is the sibling database the parent created."""
 
     name = "django-tasks-db"
-
-    def __init__(self, options: dict[str, Any], log_dir: Path) -> None:
-        super().__init__(options["redis_url"])
-        self.options = options
-        self.log_dir = log_dir
 
     def setup(self) -> dict[str, Any]:
         self.redis.ping()
@@ -1013,11 +1008,6 @@ class DjangoTasksDbPeer(RedisStartsTarget):
     def end_thread(self) -> None:
         connections.close_all()
 
-    def close(self) -> None:
-        for child in self.children:
-            child.stop()
-        super().close()
-
 
 PEER_CLASSES = {
     "celery": CeleryPeer,
@@ -1029,6 +1019,18 @@ PEER_MODULES = {
     "procrastinate": "procrastinate",
     "django-tasks-db": "django_tasks_db",
 }
+# The options a peer's driver process is given as this command was (by their dest names).
+DRIVER_OPTIONS = (
+    "n",
+    "latency_n",
+    "rate",
+    "submit_threads",
+    "concurrency",
+    "redis_url",
+    "db_worker_processes",
+    "db_worker_interval",
+    "timeout",
+)
 
 
 def peer_driver(name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -1214,26 +1216,9 @@ class Command(BaseCommand):
 
     def _run_peer(self, peer: str, options: dict[str, Any]) -> dict[str, Any]:
         progress(f"peer {peer}")
-        forwarded = [
-            "--n",
-            str(options["n"]),
-            "--latency-n",
-            str(options["latency_n"]),
-            "--rate",
-            str(options["rate"]),
-            "--submit-threads",
-            str(options["submit_threads"]),
-            "--concurrency",
-            str(options["concurrency"]),
-            "--redis-url",
-            options["redis_url"],
-            "--db-worker-processes",
-            str(options["db_worker_processes"]),
-            "--db-worker-interval",
-            str(options["db_worker_interval"]),
-            "--timeout",
-            str(options["timeout"]),
-        ]
+        forwarded: list[str] = []
+        for dest in DRIVER_OPTIONS:
+            forwarded += [f"--{dest.replace('_', '-')}", str(options[dest])]
         sibling = None
         with contextlib.ExitStack() as stack:
             db_url = database_url()
