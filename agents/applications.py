@@ -19,12 +19,12 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db.models import Q
+from django.db.models import Count, Q
 
 from agents.flows import models_to_initialise, reachable_agents, reachable_nodes
 from agents.models import AgentPackage
@@ -103,8 +103,9 @@ class Application:
 
 
 Builder = Callable[[ApplicationKey], Awaitable[Application]]
-# (key) → number of unfinished runs; raising means "unknown", which refuses the release.
-Probe = Callable[[ApplicationKey], Awaitable[int]]
+# (keys) → unfinished runs of each (a key with none may be left out); raising means
+# "unknown", which refuses the release.
+Probe = Callable[[Collection[ApplicationKey]], Awaitable[Mapping[ApplicationKey, int]]]
 # (key, batch) → how many terminal runs were archived.
 Archiver = Callable[[ApplicationKey, int], Awaitable[int]]
 
@@ -123,7 +124,7 @@ class AgentManagementService:
     """Resident Applications of one worker process.
 
     ``builder`` prepares an Application (default: from the database, see
-    ``build_application_sync``); ``probe`` counts a key's unfinished runs;
+    ``build_application_sync``); ``probe`` counts the unfinished runs of several keys at once;
     ``archiver`` archives a key's unarchived terminal runs. All three are coroutines so
     tests can count, block and fail them.
     """
@@ -365,7 +366,7 @@ class AgentManagementService:
                 )
                 continue
             try:
-                unfinished = await self._probe(app.key)
+                unfinished = (await self._probe([app.key])).get(app.key, 0)
             except Exception as exc:  # fail closed: unknown means unsafe
                 logger.warning("unfinished-run probe for %s failed: %s", label, exc)
                 refused.append({"application": label, "reason": f"probe failed: {exc}"})
@@ -431,12 +432,17 @@ class AgentManagementService:
     # --- diagnostics -----------------------------------------------------------------
 
     async def refresh_unfinished(self) -> None:
-        """Re-probe every resident key's unfinished runs for ``capacity()`` (best effort)."""
-        for app in list(self._apps.values()):
-            try:
-                app.unfinished = await self._probe(app.key)
-            except Exception:
-                app.unfinished = None
+        """Re-probe the resident keys' unfinished runs for ``capacity()`` (best effort, one
+        probe for all of them)."""
+        apps = list(self._apps.values())
+        if not apps:
+            return
+        try:
+            counts = await self._probe([app.key for app in apps])
+        except Exception:
+            counts = None
+        for app in apps:
+            app.unfinished = None if counts is None else counts.get(app.key, 0)
 
     def capacity(self) -> dict[str, Any]:
         """Applications resident, building and leased against the limit, operations in flight,
@@ -617,6 +623,37 @@ def key_runs(key: ApplicationKey) -> Q:
     return session | parent
 
 
-def unfinished_runs_sync(key: ApplicationKey) -> int:
-    """Queued, running or suspended runs (child runs included) of ``key``'s sessions."""
-    return Run.objects.filter(key_runs(key), status__in=UNFINISHED_STATUSES).count()
+def unfinished_runs_sync(keys: Collection[ApplicationKey]) -> dict[ApplicationKey, int]:
+    """Queued, running or suspended runs of each key's sessions, child runs counted under
+    their parent's key too (once where both are the same key); keys with none are left out.
+
+    Two grouped queries whatever the number of keys: runs by their own session's key, and
+    child runs by their parent's session's key."""
+    keys = set(keys)
+    owners = {key.owner_id for key in keys}
+    unfinished = Run.objects.filter(status__in=UNFINISHED_STATUSES)
+    counts: dict[ApplicationKey, int] = {}
+
+    def add(key: ApplicationKey, n: int) -> None:
+        if key in keys:
+            counts[key] = counts.get(key, 0) + n
+
+    own = ("session__owner_id", "session__package_ref", "session__agent_id")
+    for owner, ref, agent, n in (
+        unfinished.filter(session__owner_id__in=owners)
+        .values_list(*own)
+        .annotate(n=Count("pk"))
+        .order_by()
+    ):
+        add(ApplicationKey(owner_id=owner, ref=ref, agent_id=agent), n)
+    parent = ("parent__session__owner_id", "parent__session__package_ref")
+    for owner, ref, agent, *mine, n in (
+        unfinished.filter(parent__session__owner_id__in=owners)
+        .values_list(*parent, "parent__session__agent_id", *own)
+        .annotate(n=Count("pk"))
+        .order_by()
+    ):
+        key = ApplicationKey(owner_id=owner, ref=ref, agent_id=agent)
+        if key != ApplicationKey(owner_id=mine[0], ref=mine[1], agent_id=mine[2]):
+            add(key, n)
+    return counts

@@ -362,7 +362,7 @@ class RunExecutor:
         )
         self.service = service or AgentManagementService(
             builder=lambda key: db_call(build_application_sync, key, self.tools),
-            probe=lambda key: db_call(unfinished_runs_sync, key),
+            probe=lambda keys: db_call(unfinished_runs_sync, keys),
             archiver=lambda key, batch: db_call(archive_unarchived_sync, key, batch),
             max_applications=sage["SAGE_SERVER_MAX_MANAGED_APPLICATIONS"],
             auto_release_idle_seconds=sage["SAGE_AUTO_RELEASE_IDLE_SECONDS"],

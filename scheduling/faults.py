@@ -40,6 +40,11 @@ _targets = {
 _armed = frozenset(target[0] for target in _targets.values() if target is not None)
 
 
+def is_armed(name: str) -> bool:
+    """Whether a crash or stop point named ``name`` is set for this process."""
+    return name in _armed
+
+
 def crash_point(name: str) -> None:
     """SIGKILL (``SAGE_CRASH_AT``) or SIGSTOP (``SAGE_STOP_AT``) this process when the
     variable names ``name`` and its count is reached."""

@@ -220,6 +220,15 @@ class Run(models.Model):
                 fields=["status", "ready", "owner", "-priority", "created_at"],
                 name="run_fair_claim_ready",
             ),
+            # The same on PostgreSQL and SQLite, holding only the rows a claim can take: the
+            # claim's scan over the users with such runs and its per-user heads never walk
+            # a user's finished runs, however long their history (MySQL has no partial
+            # indexes and uses the one above).
+            models.Index(
+                fields=["owner", "-priority", "created_at", "id"],
+                condition=models.Q(status="queued", ready=True, cancel_requested=False),
+                name="run_claimable_by_owner",
+            ),
             # Per-user quota counts and the owner's run list.
             models.Index(fields=["owner", "status"], name="run_owner_status"),
             # Reaping expired leases.

@@ -66,10 +66,10 @@ class Harness:
         app.closer = closer
         return app
 
-    async def probe(self, key: ApplicationKey) -> int:
+    async def probe(self, keys: Any) -> dict[ApplicationKey, int]:
         if self.probe_error is not None:
             raise self.probe_error
-        return self.unfinished.get(key.agent_id, 0)
+        return {key: self.unfinished.get(key.agent_id, 0) for key in keys}
 
     async def archiver(self, key: ApplicationKey, batch: int) -> int:
         if self.archive_error is not None:
@@ -448,7 +448,7 @@ def _db_service():
     harness = Harness()
     return AgentManagementService(
         builder=harness.builder,
-        probe=lambda key: db_call(unfinished_runs_sync, key),
+        probe=lambda keys: db_call(unfinished_runs_sync, keys),
         archiver=lambda key, batch: db_call(archive_unarchived_sync, key, batch),
     )
 
@@ -489,3 +489,23 @@ async def test_it_archives_terminal_runs_before_releasing(alice, scripted_record
     assert result["released"] == 1
     archived = await sync_to_async(ManagedAgentRecord.objects.filter(run_id=run.pk).exists)()
     assert archived
+
+
+@pytest.mark.django_db
+def test_the_probe_counts_several_keys_at_once_and_a_same_key_child_once(
+    alice, bob, scripted_record
+) -> None:
+    from agents.applications import ApplicationKey, unfinished_runs_sync
+    from scheduling.models import Run
+
+    package, run = _rows(alice, status="running", child_status="queued")
+    # A child run in a session of the parent's own key: one unfinished run, not two.
+    Run.objects.create(session=run.session, owner=alice, input="own", status="queued", parent=run)
+    Run.objects.create(session=run.session, owner=alice, input="done", status="completed")
+    other, _ = _rows(bob, status="suspended")
+    keys = [
+        ApplicationKey(owner_id=alice.pk, ref=package.ref, agent_id="assistant"),
+        ApplicationKey(owner_id=bob.pk, ref=other.ref, agent_id="assistant"),
+        ApplicationKey(owner_id=bob.pk, ref=other.ref, agent_id="nobody"),
+    ]
+    assert unfinished_runs_sync(keys) == {keys[0]: 3, keys[1]: 1}
