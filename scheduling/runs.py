@@ -42,6 +42,7 @@ session's durable prefix, so the two never interleave sequence numbers.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -1866,6 +1867,79 @@ class Finish:
         sessions with a run waiting its turn. Raises ``scheduler.fence_rejected`` if any
         run's lease no longer holds (the caller then retries them one by one)."""
         connection = connections[using]
+        if connection.vendor == "postgresql":
+            sessions = cls._update_unnest(finishes, connection)
+        else:
+            cls._update_each(finishes, connection)
+            sessions = None
+        ids = [_as_uuid(f.fence.run_id) for f in finishes]
+        if _archiver is not None:
+            outcomes = {
+                _as_uuid(f.fence.run_id): (f.status, f.result, f.error, f.flow_outputs)
+                for f in finishes
+            }
+            _archiver(_archive_records(ids, outcomes, using), using)
+        if sessions is None:
+            sessions = Run.objects.using(using).filter(pk__in=ids).values("session_id")
+        waiting = (
+            Run.objects.using(using)
+            .filter(session_id__in=sessions, status=RunStatus.QUEUED, ready=False)
+            .values_list("session_id", flat=True)
+            .distinct()
+        )
+        for session_id in list(waiting):
+            _promote_next(session_id, using)
+
+    @staticmethod
+    def _update_unnest(finishes: list[Finish], connection: Any) -> list[Any]:
+        """PostgreSQL: every run's terminal update in one ``UPDATE … FROM UNNEST(…)``, each
+        row still fenced on its own; returns the runs' sessions. Raises FenceRejected
+        unless every run was updated."""
+        quote = connection.ops.quote_name
+        json_field = Run._meta.get_field("result")
+
+        def as_json(value: Any) -> str | None:
+            return None if value is None else json.dumps(value, cls=json_field.encoder)
+
+        columns = list(
+            zip(
+                *(
+                    (
+                        _as_uuid(f.fence.run_id),
+                        f.status,
+                        as_json(f.result),
+                        as_json(f.error),
+                        f.status in (RunStatus.CANCELLED, RunStatus.INTERRUPTED),
+                        f.fence.lease_owner,
+                        f.fence.lease_token,
+                    )
+                    for f in finishes
+                ),
+                strict=True,
+            )
+        )
+        sql = (
+            f"UPDATE {quote(Run._meta.db_table)} r SET status = f.status,"
+            f" result = f.result::jsonb, error = f.error::jsonb,"
+            f" finished_at = STATEMENT_TIMESTAMP(), lease_owner = '', lease_expires_at = NULL,"
+            f" interaction = NULL, cancel_requested = f.cancel,"
+            f" updated_at = STATEMENT_TIMESTAMP()"
+            f" FROM UNNEST(%s::uuid[], %s::varchar[], %s::text[], %s::text[], %s::bool[],"
+            f" %s::varchar[], %s::bigint[]) AS f(id, status, result, error, cancel, owner, token)"
+            f" WHERE r.id = f.id AND r.lease_owner = f.owner AND r.lease_token = f.token"
+            f" AND r.status = '{RunStatus.RUNNING}' AND r.lease_expires_at > STATEMENT_TIMESTAMP()"
+            f" RETURNING r.session_id"
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [list(column) for column in columns])
+            sessions = [session_id for (session_id,) in cursor.fetchall()]
+        if len(sessions) != len(finishes):
+            raise FenceRejected(None)
+        return sessions
+
+    @staticmethod
+    def _update_each(finishes: list[Finish], connection: Any) -> None:
+        """Other databases: one conditional UPDATE per run, sent with ``executemany``."""
         quote = connection.ops.quote_name
         now_sql = _now_sql(connection.vendor)
         pk = Run._meta.pk
@@ -1898,25 +1972,6 @@ class Finish:
             touched = cursor.rowcount
         if touched != len(finishes):
             raise FenceRejected(None)
-        ids = [_as_uuid(f.fence.run_id) for f in finishes]
-        if _archiver is not None:
-            outcomes = {
-                _as_uuid(f.fence.run_id): (f.status, f.result, f.error, f.flow_outputs)
-                for f in finishes
-            }
-            _archiver(_archive_records(ids, outcomes, using), using)
-        waiting = (
-            Run.objects.using(using)
-            .filter(
-                session_id__in=Run.objects.using(using).filter(pk__in=ids).values("session_id"),
-                status=RunStatus.QUEUED,
-                ready=False,
-            )
-            .values_list("session_id", flat=True)
-            .distinct()
-        )
-        for session_id in list(waiting):
-            _promote_next(session_id, using)
 
 
 def _as_uuid(value: Any) -> Any:
