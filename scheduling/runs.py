@@ -140,6 +140,18 @@ class Grant:
     expires_at: datetime
     granted_at: datetime
 
+    @classmethod
+    def leased(cls, row: dict[str, Any], duration: timedelta) -> Grant:
+        """The grant of a leased run's row (its lease fields taken out of ``row``)."""
+        row.pop("admission_slot")
+        expires = row.pop("lease_expires_at")
+        return cls(
+            row=row,
+            token=row.pop("lease_token"),
+            expires_at=expires,
+            granted_at=expires - duration,
+        )
+
 
 # ------------------------------------------------------------------------------ archiver
 
@@ -770,17 +782,7 @@ def claim(
                 else:
                     rows = _lease(db, picked, first_token, worker_id, duration, clock)
                     pending.give_back(pending.root_runs(rows), using=db)
-                for row in rows:
-                    row.pop("admission_slot")
-                    expires = row.pop("lease_expires_at")
-                    grants.append(
-                        Grant(
-                            row=row,
-                            token=row.pop("lease_token"),
-                            expires_at=expires,
-                            granted_at=expires - duration,
-                        )
-                    )
+                grants = [Grant.leased(row, duration) for row in rows]
                 if not postgres and grants:
                     FenceSequence.objects.using(db).filter(pk=1).update(
                         value=first_token - 1 + len(picked)
@@ -795,19 +797,20 @@ def claim(
         # The common claim: one round trip, the claim lock held only while the database
         # works (`_claim_pipelined`). A claim that reaps, or one inside a transaction of
         # the caller, goes the long way below.
+        statement = _claim_statement(
+            connection,
+            worker_id,
+            duration,
+            order,
+            max_active,
+            per_tenant,
+            queue,
+            limit,
+            share_with,
+            clock,
+        )
         try:
-            grants = _claim_pipelined(
-                connection,
-                worker_id,
-                duration,
-                order,
-                max_active,
-                per_tenant,
-                queue,
-                limit,
-                share_with,
-                clock,
-            )
+            grants = _claim_pipelined(connection, limit, duration, statement)
         except _FenceRowMissing:
             _fence_rows.discard(db)
             _ensure_fence_row(db)
@@ -859,20 +862,11 @@ def _claim_reads(
 
 
 def _claim_pipelined(
-    connection: Any,
-    worker_id: str,
-    duration: timedelta,
-    order: ClaimOrder,
-    max_active: int | None,
-    per_tenant: int | None,
-    queue: str | None,
-    limit: int,
-    share_with: int,
-    clock: Clock,
+    connection: Any, limit: int, duration: timedelta, statement: tuple[str, list[Any]]
 ) -> list[Grant]:
     """`claim` on PostgreSQL in one round trip (`_pipelined`): ``BEGIN``, the claim lock
-    with ``limit`` fencing tokens (the fence-sequence row), one statement that picks and
-    leases (`_claim_statement`), ``COMMIT``. The statement starts after the lock is held,
+    with ``limit`` fencing tokens (the fence-sequence row), the ``statement`` that picks
+    and leases (`_claim_statement`), ``COMMIT``. The statement starts after the lock is held,
     so it reads what the previous claim committed; the lock is held only while the
     database works, never across a round trip to this process — which, on a busy host,
     is what the claim rate of several workers turns on.
@@ -886,18 +880,7 @@ def _claim_pipelined(
     raw = connection.connection
     quote = connection.ops.quote_name
     table = quote(FenceSequence._meta.db_table)
-    sql, params = _claim_statement(
-        connection,
-        worker_id,
-        duration,
-        order,
-        max_active,
-        per_tenant,
-        queue,
-        limit,
-        share_with,
-        clock,
-    )
+    sql, params = statement
     with connection.wrap_database_errors:
         try:
             with _pipelined(raw):
@@ -924,18 +907,7 @@ def _claim_pipelined(
             if raw.pgconn.transaction_status != _IDLE:
                 raw.execute("ROLLBACK")
             raise
-    grants = []
-    for row in rows:
-        row.pop("admission_slot")
-        expires = row.pop("lease_expires_at")
-        grants.append(
-            Grant(
-                row=row,
-                token=row.pop("lease_token"),
-                expires_at=expires,
-                granted_at=expires - duration,
-            )
-        )
+    grants = [Grant.leased(row, duration) for row in rows]
     if grants:
         crash_point("claim.after_commit")
     return grants
@@ -1018,7 +990,7 @@ def _claim_sql(using: str, by_queue: bool, fair_order_: bool, clocked: bool) -> 
     key = f"{fair}k.priority DESC, k.created_at, k.id::text"
     sql = (
         f"WITH RECURSIVE owners (o) AS ("
-        f" (SELECT owner_id FROM {run} WHERE {queued} ORDER BY owner_id LIMIT 1)"
+        f" SELECT (SELECT owner_id FROM {run} WHERE {queued} ORDER BY owner_id LIMIT 1)"
         f" UNION ALL SELECT (SELECT r.owner_id FROM {run} r WHERE {queued_r}"
         f" AND r.owner_id > owners.o ORDER BY r.owner_id LIMIT 1)"
         f" FROM owners WHERE owners.o IS NOT NULL),"
@@ -1260,7 +1232,7 @@ def _owners_query(connection: Any, queue: str | None) -> tuple[str, list[Any]]:
     # the planner takes the claimable-runs index whatever its statistics say.
     sql = (
         f"WITH RECURSIVE owners (o) AS ("
-        f" (SELECT {owner} FROM {table} WHERE {base} ORDER BY {owner} LIMIT 1)"
+        f" SELECT (SELECT {owner} FROM {table} WHERE {base} ORDER BY {owner} LIMIT 1)"
         f" UNION ALL"
         f" SELECT (SELECT r.{owner} FROM {table} r WHERE {inner}"
         f" AND r.{owner} > owners.o ORDER BY r.{owner} LIMIT 1)"
