@@ -837,16 +837,9 @@ def _claim_reads(
     ones are skipped: tokens only have to increase — then the running runs per user and the
     users with ready queued runs, read after the lock is held, as the statements run in
     order. Returns (first token, running, owners)."""
-    table = connection.ops.quote_name(FenceSequence._meta.db_table)
     raw = connection.connection
     with connection.wrap_database_errors, _pipelined(raw):
-        raw.cursor().execute(
-            f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}"
-        )
-        tokens = raw.cursor()
-        tokens.execute(
-            f"UPDATE {table} SET value = value + {int(count)} WHERE id = 1 RETURNING value"
-        )
+        tokens = _take_claim_lock(connection, count)
         running = raw.cursor()
         running.execute(_running_query(connection))
         owners = raw.cursor()
@@ -859,6 +852,18 @@ def _claim_reads(
         dict(running.fetchall()),
         [o for (o,) in owners.fetchall()],
     )
+
+
+def _take_claim_lock(connection: Any, count: int) -> Any:
+    """PostgreSQL, in the claim's transaction: its idle timeout, then the claim lock (the
+    fence-sequence row) with a range of ``count`` fencing tokens; returns the cursor whose
+    row is the range's last token (none: the row is missing)."""
+    raw = connection.connection
+    table = connection.ops.quote_name(FenceSequence._meta.db_table)
+    raw.cursor().execute(f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}")
+    tokens = raw.cursor()
+    tokens.execute(f"UPDATE {table} SET value = value + {int(count)} WHERE id = 1 RETURNING value")
+    return tokens
 
 
 def _claim_pipelined(
@@ -878,20 +883,12 @@ def _claim_pipelined(
     connection.ensure_connection()
     commit_at_once = not is_armed("claim.before_commit")
     raw = connection.connection
-    quote = connection.ops.quote_name
-    table = quote(FenceSequence._meta.db_table)
     sql, params = statement
     with connection.wrap_database_errors:
         try:
             with _pipelined(raw):
                 raw.execute("BEGIN")
-                raw.execute(
-                    f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}"
-                )
-                tokens = raw.cursor()
-                tokens.execute(
-                    f"UPDATE {table} SET value = value + {int(limit)} WHERE id = 1 RETURNING value"
-                )
+                tokens = _take_claim_lock(connection, limit)
                 leased = raw.cursor()
                 leased.execute(sql, params)
                 if commit_at_once:
@@ -980,22 +977,17 @@ def _claim_sql(using: str, by_queue: bool, fair_order_: bool, clocked: bool) -> 
     quote = connection.ops.quote_name
     run, session = quote(Run._meta.db_table), quote(Session._meta.db_table)
     fence = quote(FenceSequence._meta.db_table)
-    queue = "" if by_queue else None
+    queue = "" if by_queue else None  # the queue's placeholder, or none
+    owners, _ = _owners_cte(connection, queue)
     queued, _ = _queued_where(connection, queue)
-    queued_r, _ = _queued_where(connection, queue, "r.")
     now = "%s::timestamptz" if clocked else "STATEMENT_TIMESTAMP()"
     heads_cols = "id, owner_id, priority, created_at, parent_id"
     best = "ORDER BY priority DESC, created_at, id"
     fair = "k.load, " if fair_order_ else ""
     key = f"{fair}k.priority DESC, k.created_at, k.id::text"
     sql = (
-        f"WITH RECURSIVE owners (o) AS ("
-        f" SELECT (SELECT owner_id FROM {run} WHERE {queued} ORDER BY owner_id LIMIT 1)"
-        f" UNION ALL SELECT (SELECT r.owner_id FROM {run} r WHERE {queued_r}"
-        f" AND r.owner_id > owners.o ORDER BY r.owner_id LIMIT 1)"
-        f" FROM owners WHERE owners.o IS NOT NULL),"
-        f" running AS (SELECT owner_id AS o, COUNT(*) AS n FROM {run}"
-        f" WHERE status = '{RunStatus.RUNNING}' AND parent_id IS NULL GROUP BY owner_id),"
+        f"WITH RECURSIVE {owners},"
+        f" running (o, n) AS ({_running_query(connection)}),"
         f" total AS (SELECT COALESCE(SUM(n), 0) AS n FROM running),"
         f" loads AS (SELECT owners.o, COALESCE(running.n, 0) AS n,"
         f" COALESCE(running.n, 0) < %s AND (SELECT n FROM total) < %s AS open"
@@ -1221,9 +1213,9 @@ def _queued_where(connection: Any, queue: str | None, alias: str = "") -> tuple[
     return clause, params
 
 
-def _owners_query(connection: Any, queue: str | None) -> tuple[str, list[Any]]:
-    """The users with ready queued runs, by a loose index scan: a recursive query that
-    seeks the next owner on the ``status, ready, owner, …`` index."""
+def _owners_cte(connection: Any, queue: str | None) -> tuple[str, list[Any]]:
+    """``owners (o) AS (…)``: the users with ready queued runs, by a loose index scan — a
+    recursive query seeking the next owner (a NULL row ends it) — and its parameters."""
     quote = connection.ops.quote_name
     table, owner = quote(Run._meta.db_table), quote("owner_id")
     base, params = _queued_where(connection, queue)
@@ -1231,15 +1223,20 @@ def _owners_query(connection: Any, queue: str | None) -> tuple[str, list[Any]]:
     # ORDER BY … LIMIT 1 rather than MIN(): only an index in owner order serves it, so
     # the planner takes the claimable-runs index whatever its statistics say.
     sql = (
-        f"WITH RECURSIVE owners (o) AS ("
+        f"owners (o) AS ("
         f" SELECT (SELECT {owner} FROM {table} WHERE {base} ORDER BY {owner} LIMIT 1)"
         f" UNION ALL"
         f" SELECT (SELECT r.{owner} FROM {table} r WHERE {inner}"
         f" AND r.{owner} > owners.o ORDER BY r.{owner} LIMIT 1)"
-        f" FROM owners WHERE owners.o IS NOT NULL"
-        f") SELECT o FROM owners WHERE o IS NOT NULL"
+        f" FROM owners WHERE owners.o IS NOT NULL)"
     )
     return sql, params + params
+
+
+def _owners_query(connection: Any, queue: str | None) -> tuple[str, list[Any]]:
+    """The users with ready queued runs (`_owners_cte`)."""
+    cte, params = _owners_cte(connection, queue)
+    return f"WITH RECURSIVE {cte} SELECT o FROM owners WHERE o IS NOT NULL", params
 
 
 def _running_query(connection: Any) -> str:

@@ -421,3 +421,41 @@ def test_sqlite_syncs_every_commit_so_an_answered_write_survives_power_loss():
         cursor.execute("PRAGMA synchronous")
         (level,) = cursor.fetchone()
     assert level == 2  # FULL
+
+
+def test_a_group_of_finishes_lands_together_each_fenced_and_hands_on_each_sessions_turn(
+    alice, make_session
+):
+    """``Finish.apply_many`` (the session store's group commit): every run's status, result
+    and error as given, JSON intact; a session's next run made ready; and one stale fence
+    in the group refuses the whole statement (the store then retries commit by commit)."""
+    first, second = make_session(alice), make_session(alice)
+    submit(alice, first)
+    submit(alice, second)
+    waiting = submit(alice, first, "next")
+    fences = [claim_one(), claim_one()]
+    by_session = {Run.objects.get(pk=f.run_id).session_id: f for f in fences}
+    done = Finish(by_session[first.pk], RunStatus.COMPLETED, result={"text": "ok", "n": [1, 2]})
+    failed = Finish(by_session[second.pk], RunStatus.FAILED, error={"code": "x", "message": "é"})
+    with transaction.atomic():
+        Finish.apply_many([done, failed], "default")
+    rows = {r.pk: r for r in Run.objects.filter(pk__in=[f.run_id for f in fences])}
+    ran_first = rows[by_session[first.pk].run_id]
+    ran_second = rows[by_session[second.pk].run_id]
+    assert (ran_first.status, ran_first.result, ran_first.error) == (
+        RunStatus.COMPLETED,
+        {"text": "ok", "n": [1, 2]},
+        None,
+    )
+    assert (ran_second.status, ran_second.result, ran_second.error) == (
+        RunStatus.FAILED,
+        None,
+        {"code": "x", "message": "é"},
+    )
+    assert ran_first.lease_owner == "" and ran_first.finished_at is not None
+    assert Run.objects.get(pk=waiting.pk).ready is True
+    nxt = claim_one()
+    stale = Fence(run_id=nxt.run_id, lease_owner=nxt.lease_owner, lease_token=nxt.lease_token + 1)
+    with pytest.raises(FenceRejected), transaction.atomic():
+        Finish.apply_many([Finish(stale, RunStatus.COMPLETED)], "default")
+    assert Run.objects.get(pk=nxt.run_id).status == RunStatus.RUNNING
