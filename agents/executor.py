@@ -298,10 +298,9 @@ class _LeasedProvider:
         self.model = model
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[Any]:
-        inner = self.adapter.stream(self.client, request)
         sent = time.monotonic()
         first = True
-        try:
+        async with contextlib.aclosing(self.adapter.stream(self.client, request)) as inner:
             async for item in inner:
                 if first:
                     first = False
@@ -311,10 +310,6 @@ class _LeasedProvider:
                         tokens = int(item.usage.get(f"{kind}_tokens", 0) or 0)
                         self.metrics.count(MODEL_TOKENS, tokens, model=self.model, type=kind)
                 yield item
-        finally:
-            aclose = getattr(inner, "aclose", None)
-            if aclose is not None:
-                await aclose()
 
 
 class RunExecutor:

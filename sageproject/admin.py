@@ -11,7 +11,6 @@ Each worker's every figure stays one click away ("All figures").
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
@@ -25,8 +24,6 @@ from django.urls import path
 from sageproject.admin_display import duration
 from sageproject.charts import PALETTE, line_chart
 
-# A snapshot older than this means its worker stopped publishing (crashed or paused).
-STALE_AFTER = timedelta(seconds=30)
 # The charts' window.
 CHART_SECONDS = 3600
 
@@ -405,7 +402,7 @@ class SageAdminSite(admin.AdminSite):
         from agents.jobs.records import unfinished
         from agents.models import JobRecord
         from scheduling import samples
-        from scheduling.models import Run, RunStatus, WorkerSnapshot
+        from scheduling.models import SNAPSHOT_STALE_AFTER, Run, RunStatus, WorkerSnapshot
         from scheduling.runs import db_now
 
         # Heartbeats are written with the database's clock: ages are read on it too.
@@ -417,7 +414,7 @@ class SageAdminSite(admin.AdminSite):
                 {
                     "snapshot": snapshot,
                     "capacity": capacity,
-                    "stale": now - snapshot.heartbeat_at > STALE_AFTER,
+                    "stale": now - snapshot.heartbeat_at > SNAPSHOT_STALE_AFTER,
                     "up": duration(snapshot.started_at, now),
                     "heartbeat_age": duration(snapshot.heartbeat_at, now),
                     "rows": _rows(capacity),

@@ -3,9 +3,9 @@
 Each check is a small function returning a `Check`: its name, ``ok`` / ``warn`` /
 ``fail``, what it found and, unless ok, what to do. ``/readyz`` runs `readiness` (the
 database reachable, every migration applied, a worker heartbeat fresher than
-`HEARTBEAT_FRESH`); ``manage.py doctor`` runs `doctor` (those, and the settings, Redis
-when configured, the oldest queued run, runs stuck past their lease, the clock skew
-between this host and the database, and free disk space for SQLite).
+``scheduling.models.SNAPSHOT_STALE_AFTER``); ``manage.py doctor`` runs `doctor` (those,
+and the settings, Redis when configured, the oldest queued run, runs stuck past their
+lease, the clock skew between this host and the database, and free disk space for SQLite).
 
 Times of rows are compared on the database's clock (`scheduling.runs.db_now`; SQLite's is
 this host's). A check never shows a password: a database is named by host, port, name and
@@ -34,9 +34,6 @@ logger = logging.getLogger("sage.health")
 OK, WARN, FAIL = "ok", "warn", "fail"
 _RANK = {OK: 0, WARN: 1, FAIL: 2}
 
-# A worker whose heartbeat is older than this is not counted as live (the admin's
-# capacity page flags it the same: sageproject.admin.STALE_AFTER).
-HEARTBEAT_FRESH = timedelta(seconds=30)
 # A running run whose lease expired longer ago than this has no worker reaping it.
 STUCK_AFTER = timedelta(seconds=30)
 # The oldest claimable queued run waiting longer than this is a warning.
@@ -206,19 +203,19 @@ def check_migrations(alias: str = DEFAULT_DB_ALIAS) -> Check:
 
 def check_workers(now: datetime) -> Check:
     """Live workers (not stopped) and their heartbeat ages; fails without a fresh one."""
-    from scheduling.models import WorkerSnapshot
+    from scheduling.models import SNAPSHOT_STALE_AFTER, WorkerSnapshot
 
     workers = [
         {"worker_id": w.worker_id, "age_seconds": _seconds(now - w.heartbeat_at)}
         for w in WorkerSnapshot.objects.live()
     ]
-    fresh = [w for w in workers if w["age_seconds"] <= HEARTBEAT_FRESH.total_seconds()]
+    fresh = [w for w in workers if w["age_seconds"] <= SNAPSHOT_STALE_AFTER.total_seconds()]
     stale = [w for w in workers if w not in fresh]
     listed = ", ".join(
         f"{w['worker_id']} {w['age_seconds']:g} s" + (" (stale)" if w in stale else "")
         for w in workers
     )
-    limit = f"{HEARTBEAT_FRESH.total_seconds():g} s"
+    limit = f"{SNAPSHOT_STALE_AFTER.total_seconds():g} s"
     data = {"workers": workers}
     if not fresh:
         return Check(

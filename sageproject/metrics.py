@@ -61,8 +61,6 @@ logger = logging.getLogger("sage.metrics")
 
 # A worker's snapshot is exposed while its heartbeat is at most this old (running or not).
 WORKER_RETENTION_SECONDS = 900
-# A running worker whose heartbeat is older is not counted in ``sage_workers_live``.
-STALE_HEARTBEAT_SECONDS = 30
 
 # ---------------------------------------------------------------- web-process counters
 
@@ -399,7 +397,9 @@ def _dig(data: Any, path: list[str]) -> float | None:
 
 
 def _worker_families(now: datetime) -> list[Metric]:
-    from scheduling.models import WorkerSnapshot
+    from scheduling.models import SNAPSHOT_STALE_AFTER, WorkerSnapshot
+
+    stale_after = SNAPSHOT_STALE_AFTER.total_seconds()
 
     snapshots = list(
         WorkerSnapshot.objects.filter(
@@ -410,7 +410,7 @@ def _worker_families(now: datetime) -> list[Metric]:
     )
     live = GaugeMetricFamily(
         "sage_workers_live",
-        f"Running workers whose heartbeat is at most {STALE_HEARTBEAT_SECONDS} s old.",
+        f"Running workers whose heartbeat is at most {stale_after:g} s old.",
     )
     up = GaugeMetricFamily(
         "sage_worker_up", "1 while the worker runs, 0 once it stopped.", labels=["worker"]
@@ -436,7 +436,7 @@ def _worker_families(now: datetime) -> list[Metric]:
     running = 0
     for worker, beat, stopped, capacity in snapshots:
         age = max((now - beat).total_seconds(), 0.0)
-        running += stopped is None and age <= STALE_HEARTBEAT_SECONDS
+        running += stopped is None and age <= stale_after
         up.add_metric([worker], 0 if stopped else 1)
         heartbeat.add_metric([worker], age)
         for family, path in capacity_families:

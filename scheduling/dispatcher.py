@@ -376,8 +376,7 @@ class Dispatcher:
                 await self._finish_direct(execution, status, error)
             else:
                 logger.info("run %s stopped: %s", run_id, reason or "lease lost")
-                self.leases_lost += 1
-                self.scheduler.forget(lease)
+                self._lease_lost(execution)
             return
         except Exception as exc:
             if transient_database_error(exc):
@@ -393,9 +392,7 @@ class Dispatcher:
             # The executor's fenced write was refused by the database: another worker
             # holds the run now, and nothing this execution wrote afterwards was kept.
             logger.warning("run %s: write rejected (scheduler.fence_rejected)", run_id)
-            self.metrics.count(FENCE_REJECTIONS, write="events")
-            self.leases_lost += 1
-            self.scheduler.forget(lease)
+            self._lease_lost(execution, write="events")
             return
         await self._commit(execution, outcome)
 
@@ -427,9 +424,7 @@ class Dispatcher:
                 )
         except FenceRejected:
             logger.warning("run %s lost its lease before it could finish", run_id)
-            self.metrics.count(FENCE_REJECTIONS, write="outcome")
-            self.leases_lost += 1
-            self.scheduler.forget(execution.lease)
+            self._lease_lost(execution, write="outcome")
             return
         except Exception as exc:  # its lease expires and the run is reaped (a crash)
             logger.error("run %s: committing its outcome failed: %s", run_id, exc)
@@ -456,10 +451,18 @@ class Dispatcher:
             logger.info("run %s %s", execution.lease.run_id, status)
         except FenceRejected:
             logger.warning("run %s: finish rejected (lease lost)", execution.lease.run_id)
-            self.metrics.count(FENCE_REJECTIONS, write="outcome")
-            self.leases_lost += 1
+            self._lease_lost(execution, write="outcome")
+            return
         except Exception as exc:  # its lease expires and the run is reaped
             logger.warning("finishing run %s failed: %s", execution.lease.run_id, exc)
+        self.scheduler.forget(execution.lease)
+
+    def _lease_lost(self, execution: Execution, *, write: str | None = None) -> None:
+        """Count an execution dropped because its lease is gone (``write``: the fenced
+        write the database refused, if that is how it showed) and forget the lease."""
+        if write is not None:
+            self.metrics.count(FENCE_REJECTIONS, write=write)
+        self.leases_lost += 1
         self.scheduler.forget(execution.lease)
 
     def _ended(self, execution: Execution, status: str, error: dict[str, Any] | None) -> None:

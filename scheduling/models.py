@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from typing import Any
 
 import orjson
@@ -260,6 +261,12 @@ class FenceSequence(models.Model):
     """The one global fencing-token counter (a single row, id=1)."""
 
     value = models.BigIntegerField(default=0)
+
+
+# A worker publishes its snapshot every few seconds: one older than this means the worker
+# stopped publishing (crashed, paused or cut off). The readiness check and the doctor do not
+# count it as live, /metrics leaves it out of the live workers, the capacity page flags it.
+SNAPSHOT_STALE_AFTER = timedelta(seconds=30)
 
 
 class WorkerSnapshotQuerySet(models.QuerySet):

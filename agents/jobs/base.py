@@ -385,9 +385,11 @@ def invalid_argument(message: str) -> SageError:
     return ValidationError("job.invalid_argument", message)
 
 
-def _job_error(code: str, message: str, category: ErrorCategory) -> dict[str, Any]:
+def _job_error(
+    code: str, message: str, category: ErrorCategory, *, retryable: bool = False
+) -> dict[str, Any]:
     # A job's ``error`` is always resumable: the job failed, the run that started it is safe.
-    return SageError(code, message, category=category, resumable=True).record()
+    return SageError(code, message, category=category, retryable=retryable, resumable=True).record()
 
 
 def runner_failed_error(exc: BaseException) -> dict[str, Any]:
@@ -405,13 +407,12 @@ def worker_lost_error() -> dict[str, Any]:
     """The ``error`` of a job whose Celery worker stopped answering (its host died or was
     cut off for ``SAGE_JOB_LOST_SECONDS``): it is failed, not run again (a job may have
     side effects); the agent may start it again."""
-    return SageError(
+    return _job_error(
         "job.worker_lost",
         "the job's worker stopped answering; the job was failed",
-        category=ErrorCategory.RESOURCE_LOST,
+        ErrorCategory.RESOURCE_LOST,
         retryable=True,
-        resumable=True,
-    ).record()
+    )
 
 
 def kind_unsupported_error(kind: str) -> dict[str, Any]:

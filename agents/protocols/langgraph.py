@@ -83,6 +83,7 @@ from sageproject.errors import ConflictError, NotFoundError, ValidationError
 from scheduling import live, runs
 from scheduling.models import (
     TERMINAL_STATUSES,
+    UNFINISHED_STATUSES,
     Event,
     Multitask,
     Run,
@@ -715,7 +716,7 @@ class ThreadDetail(LangGraphView):
         events and archives; 409 ``session.busy`` while a running one is still stopping
         (its worker must not lose the row under it): delete again in a moment."""
         session = _thread(request.user, thread_id)
-        for run in Run.objects.filter(session=session, status__in=list(UNFINISHED)):
+        for run in Run.objects.filter(session=session, status__in=list(UNFINISHED_STATUSES)):
             services.run_cancel(run=run)
         with transaction.atomic():
             if Run.objects.filter(session=session, status=RunStatus.RUNNING).exists():
@@ -724,9 +725,6 @@ class ThreadDetail(LangGraphView):
                 )
             session.delete()
         return Response(status=204)
-
-
-UNFINISHED = frozenset({RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.SUSPENDED})
 
 
 class ThreadState(LangGraphView):
@@ -856,7 +854,7 @@ def _regenerate(session: Session, checkpoint: Any, text: str | None) -> str | No
             "checkpoint.not_replaceable", "the turns after this checkpoint were imported"
         )
     replaced = list(dict.fromkeys(later.order_by("seq").values_list("run_id", flat=True)))
-    if Run.objects.filter(pk__in=replaced, status__in=list(UNFINISHED)).exists():
+    if Run.objects.filter(pk__in=replaced, status__in=list(UNFINISHED_STATUSES)).exists():
         raise ConflictError("session.busy", "the thread has an unfinished run")
     if text is None:
         human = [
