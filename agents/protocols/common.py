@@ -68,17 +68,15 @@ def package_assistants(package: AgentPackage) -> list[Assistant]:
 
 
 def assistants(user) -> list[Assistant]:
-    """Every assistant ``user`` may use, by package name (one version per name)."""
-    names = (
-        AgentPackage.objects.usable_by(user.pk)
-        .order_by("name")
-        .values_list("name", flat=True)
-        .distinct()
-    )
-    found: list[Assistant] = []
-    for name in names:
-        found += package_assistants(package_resolve(owner=user, name_or_ref=name))
-    return found
+    """Every assistant ``user`` may use, by package name: for each name the version
+    ``package_resolve`` means by it — the user's own before a shared one, the active
+    version, else the newest — read in one query (this runs on every request that names
+    an assistant by UUID or by agent id alone)."""
+    newest_first = AgentPackage.objects.usable_by(user.pk).order_by("-created_at")
+    chosen: dict[str, AgentPackage] = {}
+    for package in sorted(newest_first, key=lambda p: (p.owner_id != user.pk, not p.active)):
+        chosen.setdefault(package.name, package)
+    return [found for name in sorted(chosen) for found in package_assistants(chosen[name])]
 
 
 def assistant_resolve(user, assistant_id: str) -> Assistant:

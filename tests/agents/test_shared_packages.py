@@ -124,3 +124,26 @@ def test_staff_publish_from_the_admin(staff, bob, shared):
     assert response.status_code == 302
     shared.refresh_from_db()
     assert shared.visibility == Visibility.EVERYONE
+
+
+def test_the_assistants_of_a_name_are_the_version_package_resolve_means(alice, bob, shared):
+    """The protocols list and resolve assistants from one query per request; for each
+    name it must pick what ``package_resolve`` picks: own before shared, the active version
+    before a newer inactive one."""
+    from agents.protocols import common
+
+    packages.package_publish(shared, Visibility.EVERYONE)
+    other, _ = packages.package_create(owner=alice, manifest=demo_manifest(name="other"))
+    packages.package_publish(other, Visibility.EVERYONE)
+    mine, _ = packages.package_create(owner=bob, manifest=demo_manifest(name="other"))
+    newer, _ = packages.package_create(
+        owner=bob, manifest={**demo_manifest(name="other"), "version": "9.9.9"}
+    )
+    assert not AgentPackage.objects.get(pk=newer.pk).active  # the first version stays active
+
+    chosen = {a.package.name: a.package.pk for a in common.assistants(bob)}
+    assert chosen == {
+        name: packages.package_resolve(owner=bob, name_or_ref=name).pk
+        for name in ("helper", "other")
+    }
+    assert chosen == {"helper": shared.pk, "other": mine.pk}
