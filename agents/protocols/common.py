@@ -28,7 +28,7 @@ from django.http import HttpResponse, StreamingHttpResponse
 from agents.models import AgentPackage
 from agents.services import session_create
 from agents.services.packages import package_resolve
-from sageproject.errors import NotFoundError
+from sageproject.errors import NotFoundError, ValidationError
 from scheduling import live, runs
 from scheduling.models import Event, Run, Session, SessionKind
 
@@ -38,6 +38,23 @@ SEPARATOR = "/"
 TERMINAL_EVENTS = frozenset(runs.TERMINAL_EVENTS.values())
 # How long one `follow_run` window lasts before the run's existence is checked (seconds).
 FOLLOW_WINDOW = 300.0
+
+
+def invalid(field: str, message: str) -> ValidationError:
+    """``request.invalid`` (400) naming the field and what is wrong with it."""
+    return ValidationError(
+        "request.invalid", f"{field}: {message}", details={"fields": {field: [message]}}
+    )
+
+
+def idempotency_key(request: Any) -> str | None:
+    """The request's ``Idempotency-Key`` header (None when absent); ``request.invalid``
+    when it is longer than a run's key may be."""
+    key = request.headers.get("Idempotency-Key") or None
+    longest = Run._meta.get_field("idempotency_key").max_length
+    if key is not None and len(key) > longest:
+        raise invalid("Idempotency-Key", f"at most {longest} characters")
+    return key
 
 
 @dataclass(frozen=True, slots=True)

@@ -213,14 +213,8 @@ def _body(request: Request) -> dict[str, Any]:
     if not data:
         return {}
     if not isinstance(data, dict):
-        raise _invalid("body", "must be a JSON object")
+        raise common.invalid("body", "must be a JSON object")
     return data
-
-
-def _invalid(field: str, message: str) -> ValidationError:
-    return ValidationError(
-        "request.invalid", f"{field}: {message}", details={"fields": {field: [message]}}
-    )
 
 
 def _int(body: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> int:
@@ -230,7 +224,7 @@ def _int(body: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> 
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise _invalid(name, f"must be an integer from {lo} to {hi}")
+        raise common.invalid(name, f"must be an integer from {lo} to {hi}")
     return value
 
 
@@ -258,7 +252,7 @@ def resolve(user, value: Any) -> common.Assistant:
     """The assistant an ``assistant_id`` names: its UUID, ``<package>/<agent>``,
     ``<package>`` (the entrypoint), or an agent id only one of the user's packages has."""
     if not isinstance(value, str) or not value:
-        raise _invalid("assistant_id", "is required")
+        raise common.invalid("assistant_id", "is required")
     try:
         uuid.UUID(value)
     except ValueError:
@@ -362,7 +356,7 @@ def _search_assistants(user, body: Mapping[str, Any]) -> list[common.Assistant]:
         found = [a for a in found if str(body["name"]).lower() in graph_id(a).lower()]
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict):
-        raise _invalid("metadata", "must be an object")
+        raise common.invalid("metadata", "must be an object")
     if metadata:
         found = [
             a
@@ -577,7 +571,7 @@ def _search_threads(user, body: Mapping[str, Any]):
     threads = _threads(user)
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict):
-        raise _invalid("metadata", "must be an object")
+        raise common.invalid("metadata", "must be an object")
     for index, (key, value) in enumerate(metadata.items()):
         if key in ("graph_id", "assistant_id") and isinstance(value, str):
             literal = Q(**{f"thread_metadata__metadata__{key}": value})
@@ -591,16 +585,18 @@ def _search_threads(user, body: Mapping[str, Any]):
                 )
         else:
             if not isinstance(value, str | int | float | bool):
-                raise _invalid(f"metadata.{key}", "only text, number or boolean values filter")
+                raise common.invalid(
+                    f"metadata.{key}", "only text, number or boolean values filter"
+                )
             name = f"lg_meta_{index}"
             threads = threads.alias(**{name: KeyTransform(key, "thread_metadata__metadata")})
             threads = threads.filter(**{name: value})
     if body.get("values"):
-        raise _invalid("values", "filtering threads by their values is not supported")
+        raise common.invalid("values", "filtering threads by their values is not supported")
     if body.get("ids"):
         ids = body["ids"]
         if not isinstance(ids, list):
-            raise _invalid("ids", "must be a list of thread ids")
+            raise common.invalid("ids", "must be a list of thread ids")
         valid = []
         for value in ids:
             with contextlib.suppress(ValueError, TypeError, AttributeError):
@@ -609,7 +605,7 @@ def _search_threads(user, body: Mapping[str, Any]):
     status = body.get("status")
     if status:
         if status not in STATUS_Q:
-            raise _invalid("status", f"must be one of {', '.join(STATUS_Q)}")
+            raise common.invalid("status", f"must be one of {', '.join(STATUS_Q)}")
         threads = threads.filter(STATUS_Q[status])
     return threads
 
@@ -629,7 +625,7 @@ def _select(item: dict[str, Any], select: Any) -> dict[str, Any]:
     if not select:
         return item
     if not isinstance(select, list):
-        raise _invalid("select", "must be a list of field names")
+        raise common.invalid("select", "must be a list of field names")
     return {k: v for k, v in item.items() if k in select}
 
 
@@ -637,16 +633,18 @@ class Threads(LangGraphView):
     def post(self, request: Request) -> Response:
         body = _body(request)
         if body.get("supersteps"):
-            raise _invalid("supersteps", "creating a thread with state updates is not supported")
+            raise common.invalid(
+                "supersteps", "creating a thread with state updates is not supported"
+            )
         metadata = body.get("metadata") or {}
         if not isinstance(metadata, dict):
-            raise _invalid("metadata", "must be an object")
+            raise common.invalid("metadata", "must be an object")
         thread_id = body.get("thread_id")
         if thread_id is not None:
             try:
                 thread_id = uuid.UUID(str(thread_id))
             except ValueError:
-                raise _invalid("thread_id", "must be a UUID") from None
+                raise common.invalid("thread_id", "must be a UUID") from None
             existing = Session.objects.filter(pk=thread_id).first()
             if existing is not None:
                 if existing.owner_id == request.user.pk and body.get("if_exists") == "do_nothing":
@@ -700,7 +698,7 @@ class ThreadDetail(LangGraphView):
         session = _thread(request.user, thread_id)
         metadata = _body(request).get("metadata") or {}
         if not isinstance(metadata, dict):
-            raise _invalid("metadata", "must be an object")
+            raise common.invalid("metadata", "must be an object")
         with transaction.atomic():
             row, _ = ThreadMetadata.objects.select_for_update().get_or_create(session=session)
             row.metadata = {**row.metadata, **metadata}
@@ -761,10 +759,10 @@ class ThreadHistory(LangGraphView):
         if body.get("before"):
             before = checkpoint_seq(body["before"])
             if before is None:
-                raise _invalid("before", "must be a checkpoint of this thread")
+                raise common.invalid("before", "must be a checkpoint of this thread")
         metadata = body.get("metadata") or None
         if metadata is not None and not isinstance(metadata, dict):
-            raise _invalid("metadata", "must be an object")
+            raise common.invalid("metadata", "must be an object")
         return Response(thread.history(limit=limit, before=before, metadata=metadata))
 
 
@@ -797,21 +795,21 @@ def input_text(value: Any) -> str:
     if isinstance(messages, str | dict):
         messages = [messages]
     if not isinstance(messages, list):
-        raise _invalid("input", 'must be {"messages": [...]} with a human message')
+        raise common.invalid("input", 'must be {"messages": [...]} with a human message')
     texts = []
     for message in messages:
         if isinstance(message, str):
             texts.append(message)
             continue
         if not isinstance(message, dict):
-            raise _invalid("input", "every message must be an object or a string")
+            raise common.invalid("input", "every message must be an object or a string")
         kind = message.get("type") or message.get("role")
         if kind not in ("human", "user"):
             continue
         texts.append(common_text(message.get("content")))
     text = "\n\n".join(t for t in texts if t)
     if not text.strip():
-        raise _invalid("input", "needs a human message with text")
+        raise common.invalid("input", "needs a human message with text")
     return text
 
 
@@ -825,7 +823,7 @@ def common_text(content: Any) -> str:
             for part in content
             if isinstance(part, dict) and part.get("type") in ("text", "input_text")
         )
-    raise _invalid("input", "message content must be text or a list of text parts")
+    raise common.invalid("input", "message content must be text or a list of text parts")
 
 
 def _modes(value: Any) -> list[str]:
@@ -833,7 +831,9 @@ def _modes(value: Any) -> list[str]:
         return ["values"]
     modes = [value] if isinstance(value, str) else value
     if not isinstance(modes, list) or any(m not in KNOWN_MODES for m in modes):
-        raise _invalid("stream_mode", f"every mode must be one of {', '.join(sorted(KNOWN_MODES))}")
+        raise common.invalid(
+            "stream_mode", f"every mode must be one of {', '.join(sorted(KNOWN_MODES))}"
+        )
     return modes or ["values"]
 
 
@@ -842,7 +842,7 @@ def _regenerate(session: Session, checkpoint: Any, text: str | None) -> str | No
     input to run — ``text``, or the human message of the turn being replaced."""
     seq = checkpoint_seq(checkpoint)
     if seq is None:
-        raise _invalid("checkpoint", "must be a checkpoint of this thread")
+        raise common.invalid("checkpoint", "must be a checkpoint of this thread")
     thread = _build(session)
     if thread.index_of(seq) is None:
         raise NotFoundError("checkpoint.not_found", "no such checkpoint in this thread")
@@ -863,7 +863,7 @@ def _regenerate(session: Session, checkpoint: Any, text: str | None) -> str | No
             if m["type"] == "human"
         ]
         if not human:
-            raise _invalid("input", "needs a human message with text")
+            raise common.invalid("input", "needs a human message with text")
         text = str(human[-1]["content"])
     for run_id in replaced:
         runs.remove_run_events(session.pk, run_id)
@@ -888,7 +888,7 @@ def _resume(session: Session, command: Mapping[str, Any]) -> tuple[Run, int]:
     choice = decision(command.get("resume"), interaction)
     if not isinstance(choice, str):
         allowed = interaction.get("allowed_decisions") or []
-        raise _invalid("command.resume", f"must choose one of {', '.join(allowed)}")
+        raise common.invalid("command.resume", f"must choose one of {', '.join(allowed)}")
     after = _persisted(session)
     run = services.run_reply(run=run, decision=choice, interaction_id=interaction.get("id"))
     return run, after
@@ -916,7 +916,7 @@ def create_run(
     command = body.get("command")
     if command is not None:
         if not isinstance(command, dict) or "resume" not in command:
-            raise _invalid("command", "only a command with resume is supported")
+            raise common.invalid("command", "only a command with resume is supported")
         run, after = _resume(session, command)
         return session, run, after, None
     raw_input = body.get("input")
@@ -927,13 +927,11 @@ def create_run(
     if checkpoint:
         text = _regenerate(session, checkpoint, text)
     if text is None:
-        raise _invalid("input", "needs a human message with text")
+        raise common.invalid("input", "needs a human message with text")
     multitask = body.get("multitask_strategy") or Multitask.REJECT
     if multitask not in Multitask.values:
-        raise _invalid("multitask_strategy", f"must be one of {', '.join(Multitask.values)}")
-    key = request.headers.get("Idempotency-Key") or None
-    if key is not None and len(key) > 200:
-        raise _invalid("Idempotency-Key", "at most 200 characters")
+        raise common.invalid("multitask_strategy", f"must be one of {', '.join(Multitask.values)}")
+    key = common.idempotency_key(request)
     run, _ = services.run_submit(
         owner=user, session_id=session.pk, input=text, multitask=multitask, idempotency_key=key
     )
@@ -1125,7 +1123,7 @@ class ThreadRuns(RunCreate):
         status = params.get("status")
         if status:
             if status not in STATUS_FILTER:
-                raise _invalid("status", f"must be one of {', '.join(STATUS_FILTER)}")
+                raise common.invalid("status", f"must be one of {', '.join(STATUS_FILTER)}")
             query = query.filter(status__in=STATUS_FILTER[status])
         return Response([run_json(r, session) for r in query[offset : offset + limit]])
 
@@ -1214,7 +1212,7 @@ class RunCancel(LangGraphView):
         _, run = _own_run(request.user, thread_id, run_id)
         action = request.query_params.get("action") or "interrupt"
         if action not in ("interrupt", "rollback"):
-            raise _invalid("action", "must be interrupt or rollback")
+            raise common.invalid("action", "must be interrupt or rollback")
         run = services.run_cancel(run=run, rollback=action == "rollback")
         if not _flag(request.query_params.get("wait")):
             return Response(status=202)

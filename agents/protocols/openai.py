@@ -71,7 +71,6 @@ from sageproject.errors import (
     NotFoundError,
     RateLimitedError,
     SageError,
-    ValidationError,
 )
 from sageproject.parsers import query_bool, query_int
 from scheduling import live
@@ -79,8 +78,6 @@ from scheduling.models import Event, Run, RunStatus, Session
 
 RESPONSE_PREFIX = "resp_"
 CHAT_PREFIX = "chatcmpl-"
-# The longest Idempotency-Key accepted (as the REST API's).
-MAX_IDEMPOTENCY_KEY = 200
 # Retry-After of a waiting call whose run was suspended without a delay of its own.
 SUSPENDED_RETRY_AFTER = 1
 
@@ -147,12 +144,6 @@ class OpenAIView(APIView):
 # ------------------------------------------------------------------------------ input
 
 
-def _invalid(param: str, message: str) -> ValidationError:
-    return ValidationError(
-        "request.invalid", f"{param}: {message}", details={"fields": {param: [message]}}
-    )
-
-
 def _body(request: Request) -> dict[str, Any]:
     if not isinstance(request.data, dict):
         raise drf_exceptions.ParseError("the body must be a JSON object")
@@ -164,7 +155,7 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise _invalid(name, "must be a boolean")
+        raise common.invalid(name, "must be a boolean")
     return value
 
 
@@ -182,10 +173,10 @@ def _text_of(content: Any, param: str) -> str:
             if kind not in ("text", "input_text", "output_text") or not isinstance(
                 part.get("text"), str
             ):
-                raise _invalid(f"{param}[{index}]", "only text content is supported")
+                raise common.invalid(f"{param}[{index}]", "only text content is supported")
             parts.append(part["text"])
         return "\n".join(parts)
-    raise _invalid(param, "must be a string or a list of text parts")
+    raise common.invalid(param, "must be a string or a list of text parts")
 
 
 def _conversation(items: Any, param: str) -> tuple[list[tuple[str, str]], str]:
@@ -195,35 +186,30 @@ def _conversation(items: Any, param: str) -> tuple[list[tuple[str, str]], str]:
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
-        raise _invalid(param, "must be a non-empty list of messages")
+        raise common.invalid(param, "must be a non-empty list of messages")
     turns: list[tuple[str, str]] = []
     for index, item in enumerate(items):
         where = f"{param}[{index}]"
         if not isinstance(item, dict) or item.get("type", "message") != "message":
-            raise _invalid(where, "only messages are supported (the agent's tools stay inside)")
+            raise common.invalid(
+                where, "only messages are supported (the agent's tools stay inside)"
+            )
         role = item.get("role")
         if role in ("system", "developer"):
             continue
         if role not in ("user", "assistant") or item.get("tool_calls"):
-            raise _invalid(where, "role must be system, developer, user or assistant")
+            raise common.invalid(where, "role must be system, developer, user or assistant")
         text = _text_of(item.get("content"), f"{where}.content")
         if text:
             turns.append((role, text))
     if not turns or turns[-1][0] != "user":
-        raise _invalid(param, "the last message must be a user message with text")
+        raise common.invalid(param, "the last message must be a user message with text")
     return turns[:-1], turns[-1][1]
-
-
-def _idempotency_key(request: Request) -> str | None:
-    key = request.headers.get("Idempotency-Key") or None
-    if key is not None and len(key) > MAX_IDEMPOTENCY_KEY:
-        raise _invalid("Idempotency-Key", f"at most {MAX_IDEMPOTENCY_KEY} characters")
-    return key
 
 
 def _assistant(user, model: Any) -> common.Assistant:
     if not isinstance(model, str) or not model:
-        raise _invalid("model", "name one of GET /v1/models")
+        raise common.invalid("model", "name one of GET /v1/models")
     try:
         return common.assistant_resolve(user, model)
     except NotFoundError as exc:
@@ -247,7 +233,7 @@ def _submit(
     ``assistant`` with ``history`` (removed again when the run is not admitted, or when a
     concurrent request with the same Idempotency-Key admitted it first)."""
     user = request.user
-    key = _idempotency_key(request)
+    key = common.idempotency_key(request)
     if key is not None:
         existing = (
             Run.objects.select_related("session").filter(owner=user, idempotency_key=key).first()
@@ -541,7 +527,7 @@ class ChatCompletions(OpenAIView):
         history, text = _conversation(body.get("messages"), "messages")
         stream = _flag(body, "stream")
         if body.get("n") not in (None, 1):
-            raise _invalid("n", "only one choice is produced")
+            raise common.invalid("n", "only one choice is produced")
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         services.check_read_permission(request.user)
@@ -584,10 +570,12 @@ class Responses(OpenAIView):
             if model is not None:
                 chosen = _assistant(user, model)
                 if (chosen.package.name, chosen.agent) != (session.package_name, session.agent_id):
-                    raise _invalid("model", "a continued response keeps its model")
+                    raise common.invalid("model", "a continued response keeps its model")
             history, text = _conversation(body.get("input"), "input")
             if history:
-                raise _invalid("input", "with previous_response_id, send the next message only")
+                raise common.invalid(
+                    "input", "with previous_response_id, send the next message only"
+                )
             if prior.status == RunStatus.SUSPENDED:
                 services.run_cancel(run=prior)  # it reads as failed here; its turn is over
             meta = {"model": model or _model_of(prior), "previous_response_id": str(previous)}

@@ -398,3 +398,20 @@ def test_the_readme_example_runs_against_the_seeded_demo(
         "The result is 20.",
         "You said: hello",
     ]
+
+
+def test_an_idempotency_key_longer_than_a_runs_key_is_refused_before_anything_is_made(
+    live_host, alice
+):
+    helper(alice)
+    longest = Run._meta.get_field("idempotency_key").max_length
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk(live_host, alice).chat.completions.create(
+            model="helper",
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"Idempotency-Key": "k" * (longest + 1)},
+        )
+    assert bad.value.code == "request.invalid"
+    assert f"at most {longest} characters" in bad.value.message
+    assert not Run.objects.filter(owner=alice).exists()
+    assert not Session.objects.filter(owner=alice).exists()
