@@ -10,10 +10,10 @@ class AgentsConfig(AppConfig):
     def ready(self) -> None:
         # A run's terminal transition (scheduling.runs) writes its archive row in the same
         # transaction; the archive belongs to this app, so it registers the writer.
-        from agents.archives import archive_records
+        from agents.archives import archive_records, archive_statement
         from scheduling import runs
 
-        runs.set_archiver(archive_records)
+        runs.set_archiver(archive_records, archive_statement)
 
         # A changed model record (a rotated key) reaches the workers at once: their next
         # run compares its Application's records with the database again.

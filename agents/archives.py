@@ -21,7 +21,7 @@ from agents.models import ManagedAgentRecord
 from agents.services.runs import check_read_permission
 from sageproject.errors import NotFoundError
 from scheduling import runs
-from scheduling.models import TERMINAL_STATUSES, Event, Run
+from scheduling.models import TERMINAL_STATUSES, Event, Run, Session
 from scheduling.runs import ArchiveRecord
 
 
@@ -58,6 +58,36 @@ def archive_records(records: list[ArchiveRecord], using: str = "default") -> Non
                 update_fields=[*update, "flow_outputs"] if with_outputs else update,
                 **target,
             )
+
+
+def archive_statement(connection: Any) -> str:
+    """PostgreSQL: `archive_records` as one statement (registered with ``scheduling.runs``
+    beside it, for the session store's pipelined group commit). It takes five arrays — run
+    ids, statuses, and results, errors and flow outputs as JSON text (outputs NULL: the
+    row's are kept) — and reads owner, package and agent from the run and session rows."""
+    quote = connection.ops.quote_name
+    meta = ManagedAgentRecord._meta
+    table = quote(meta.db_table)
+
+    def column(name: str) -> str:
+        return quote(meta.get_field(name).column)
+
+    run_table, session_table = quote(Run._meta.db_table), quote(Session._meta.db_table)
+    names = ["run", "owner", "package_ref", "package_name", "agent_id", "status", "result"]
+    names += ["error", "flow_outputs", "archived_at"]
+    kept = [name for name in names if name not in ("run", "archived_at", "flow_outputs")]
+    updates = ", ".join(f"{column(name)} = EXCLUDED.{column(name)}" for name in kept)
+    outputs = column("flow_outputs")
+    return (
+        f"INSERT INTO {table} ({', '.join(column(name) for name in names)})"
+        f" SELECT r.id, r.owner_id, s.package_ref, s.package_name, s.agent_id, f.status,"
+        f" f.result::jsonb, f.error::jsonb, f.outputs::jsonb, STATEMENT_TIMESTAMP()"
+        f" FROM UNNEST(%s::uuid[], %s::varchar[], %s::text[], %s::text[], %s::text[])"
+        f" AS f(id, status, result, error, outputs)"
+        f" JOIN {run_table} r ON r.id = f.id JOIN {session_table} s ON s.id = r.session_id"
+        f" ON CONFLICT ({column('run')}) DO UPDATE SET {updates},"
+        f" {outputs} = COALESCE(EXCLUDED.{outputs}, {table}.{outputs})"
+    )
 
 
 def archive_terminal(run: Run, flow_outputs: dict[str, Any] | None = None) -> ManagedAgentRecord:

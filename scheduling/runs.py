@@ -186,11 +186,21 @@ _ARCHIVE_FIELDS = (
 )
 
 
-def set_archiver(fn: Archiver | None) -> None:
+# ``statement(connection)``: the archiver's one SQL statement for PostgreSQL, taking five
+# arrays (run ids, statuses, results, errors, flow outputs — the last three as JSON text,
+# outputs NULL: left as they are) and reading the rest from the run and session rows. With
+# it, the session store's pipelined group commit archives without a round trip of its own.
+ArchiveStatement = Callable[[Any], str]
+_archive_statement: ArchiveStatement | None = None
+
+
+def set_archiver(fn: Archiver | None, statement: ArchiveStatement | None = None) -> None:
     """Register ``fn(records, using)``: writes (or refreshes) the archive rows of terminal
-    runs, called inside the transaction that ends them."""
-    global _archiver
+    runs, called inside the transaction that ends them; ``statement``: the same write as
+    one PostgreSQL statement (see `ArchiveStatement`), optional."""
+    global _archiver, _archive_statement
     _archiver = fn
+    _archive_statement = statement
 
 
 def _archive_records(
@@ -559,11 +569,11 @@ def _admits_in_one_statement(using: str, run: Run, multitask: Multitask) -> bool
     )
 
 
-def _pipelined(raw: Any) -> Any:
+def pipelined(raw: Any) -> Any:
     """libpq's pipeline mode on the psycopg connection ``raw``: the statements issued in
     it go out together, one round trip, and run in order (without it, where libpq is too
     old, one round trip each — the same statements, the same results)."""
-    return raw.pipeline() if _pipeline_supported() else nullcontext()
+    return raw.pipeline() if pipeline_supported() else nullcontext()
 
 
 @functools.cache
@@ -613,7 +623,8 @@ def _division_by_zero() -> type[Exception]:
 
 
 @functools.cache
-def _pipeline_supported() -> bool:
+def pipeline_supported() -> bool:
+    """Whether libpq here has pipeline mode (see `pipelined`)."""
     import psycopg
 
     return psycopg.Pipeline.is_supported()
@@ -622,7 +633,7 @@ def _pipeline_supported() -> bool:
 def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool) -> Run:
     """`_admit` on PostgreSQL in one round trip: the session row's lock, and one statement
     that reads whether the session is busy, takes the pending places (`pending.take_ctes`),
-    inserts the run and notifies the workers — sent together (`_pipelined`). The second
+    inserts the run and notifies the workers — sent together (`pipelined`). The second
     statement starts after the lock is held, so what it reads is from after any wait for it.
 
     With ``commit`` (no transaction is open) the round trip also begins and commits the
@@ -654,7 +665,7 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool
     raw = connection.connection
     with connection.wrap_database_errors:
         try:
-            with _pipelined(raw):
+            with pipelined(raw):
                 if commit:
                     raw.execute("BEGIN")
                 raw.cursor().execute(lock_sql, [run.session_id, run.owner_id])
@@ -832,13 +843,13 @@ def claim(
 def _claim_reads(
     connection: Any, count: int, queue: str | None
 ) -> tuple[int, dict[Any, int], list[Any]]:
-    """PostgreSQL, in one round trip (`_pipelined`): the claim transaction's idle timeout,
+    """PostgreSQL, in one round trip (`pipelined`): the claim transaction's idle timeout,
     the claim lock (the fence-sequence row) with a range of ``count`` fencing tokens — unused
     ones are skipped: tokens only have to increase — then the running runs per user and the
     users with ready queued runs, read after the lock is held, as the statements run in
     order. Returns (first token, running, owners)."""
     raw = connection.connection
-    with connection.wrap_database_errors, _pipelined(raw):
+    with connection.wrap_database_errors, pipelined(raw):
         tokens = _take_claim_lock(connection, count)
         running = raw.cursor()
         running.execute(_running_query(connection))
@@ -869,7 +880,7 @@ def _take_claim_lock(connection: Any, count: int) -> Any:
 def _claim_pipelined(
     connection: Any, limit: int, duration: timedelta, statement: tuple[str, list[Any]]
 ) -> list[Grant]:
-    """`claim` on PostgreSQL in one round trip (`_pipelined`): ``BEGIN``, the claim lock
+    """`claim` on PostgreSQL in one round trip (`pipelined`): ``BEGIN``, the claim lock
     with ``limit`` fencing tokens (the fence-sequence row), the ``statement`` that picks
     and leases (`_claim_statement`), ``COMMIT``. The statement starts after the lock is held,
     so it reads what the previous claim committed; the lock is held only while the
@@ -886,7 +897,7 @@ def _claim_pipelined(
     sql, params = statement
     with connection.wrap_database_errors:
         try:
-            with _pipelined(raw):
+            with pipelined(raw):
                 raw.execute("BEGIN")
                 tokens = _take_claim_lock(connection, limit)
                 leased = raw.cursor()
@@ -1764,6 +1775,17 @@ class Start:
         if held(self.fence, using, clock).update(interaction=None) != 1:
             raise FenceRejected(self.fence.run_id)
 
+    @property
+    def pipelinable(self) -> bool:
+        """Whether `pipeline_many` may take it: one that consumes a resolution writes the
+        run row, and goes the general way."""
+        return not self.clear_resolution
+
+    @classmethod
+    def pipeline_many(cls, starts: list[Start], connection: Any) -> Callable[[], None]:
+        """Nothing beyond the commit's own fence check (`lock_fences`)."""
+        return lambda: None
+
 
 @dataclass(frozen=True, slots=True)
 class Suspend:
@@ -1829,6 +1851,49 @@ class Finish:
         """Whether `apply_many` may take it (a rollback rewrites its session: alone)."""
         return not self.rollback
 
+    @property
+    def pipelinable(self) -> bool:
+        """Whether `pipeline_many` may take it: not a rollback, and the archiver has its
+        one-statement form."""
+        return not self.rollback and _archive_statement is not None
+
+    @classmethod
+    def pipeline_many(cls, finishes: list[Finish], connection: Any) -> Callable[[], None]:
+        """`apply_many` for the session store's pipelined group commit on PostgreSQL: the
+        statements are sent on the raw connection inside the caller's pipeline — the fenced
+        terminal update (`_update_unnest`'s), the archive upsert, the sessions' next runs
+        made ready — and the returned check, called once their results are in, raises
+        ``scheduler.fence_rejected`` unless every run was updated (the caller then rolls
+        back and redoes the batch the general way), and wakes the workers if a run was
+        made ready."""
+        raw = connection.connection
+        ids = [_as_uuid(f.fence.run_id) for f in finishes]
+        done = raw.cursor()
+        done.execute(*cls._unnest_statement(finishes, connection))
+        assert _archive_statement is not None
+        as_json = _json_text(Run._meta.get_field("result"))
+        archived = raw.cursor()
+        archived.execute(
+            _archive_statement(connection),
+            [
+                ids,
+                [f.status for f in finishes],
+                [as_json(f.result) for f in finishes],
+                [as_json(f.error) for f in finishes],
+                [as_json(f.flow_outputs) for f in finishes],
+            ],
+        )
+        promoted = raw.cursor()
+        promoted.execute(_promote_sql(connection.alias), [ids])
+
+        def check() -> None:
+            if len(done.fetchall()) != len(finishes) or archived.rowcount != len(finishes):
+                raise FenceRejected(None)
+            if promoted.fetchall():
+                wakeups.notify("run", using=connection.alias)
+
+        return check
+
     @classmethod
     def apply_many(cls, finishes: list[Finish], using: str) -> None:
         """Finish many runs in a fixed number of statements (the session store's group
@@ -1864,12 +1929,18 @@ class Finish:
         """PostgreSQL: every run's terminal update in one ``UPDATE … FROM UNNEST(…)``, each
         row still fenced on its own; returns the runs' sessions. Raises FenceRejected
         unless every run was updated."""
+        with connection.cursor() as cursor:
+            cursor.execute(*Finish._unnest_statement(finishes, connection))
+            sessions = [session_id for (session_id,) in cursor.fetchall()]
+        if len(sessions) != len(finishes):
+            raise FenceRejected(None)
+        return sessions
+
+    @staticmethod
+    def _unnest_statement(finishes: list[Finish], connection: Any) -> tuple[str, list[Any]]:
+        """`_update_unnest`'s statement and parameters."""
         quote = connection.ops.quote_name
-        json_field = Run._meta.get_field("result")
-
-        def as_json(value: Any) -> str | None:
-            return None if value is None else json.dumps(value, cls=json_field.encoder)
-
+        as_json = _json_text(Run._meta.get_field("result"))
         columns = list(
             zip(
                 *(
@@ -1899,12 +1970,7 @@ class Finish:
             f" AND r.status = '{RunStatus.RUNNING}' AND r.lease_expires_at > STATEMENT_TIMESTAMP()"
             f" RETURNING r.session_id"
         )
-        with connection.cursor() as cursor:
-            cursor.execute(sql, [list(column) for column in columns])
-            sessions = [session_id for (session_id,) in cursor.fetchall()]
-        if len(sessions) != len(finishes):
-            raise FenceRejected(None)
-        return sessions
+        return sql, [list(column) for column in columns]
 
     @staticmethod
     def _update_each(finishes: list[Finish], connection: Any) -> None:
@@ -1941,6 +2007,54 @@ class Finish:
             touched = cursor.rowcount
         if touched != len(finishes):
             raise FenceRejected(None)
+
+
+def _json_text(field: Any) -> Callable[[Any], str | None]:
+    """JSON text of a value as ``field`` (a JSONField) encodes it; None stays NULL."""
+
+    def as_json(value: Any) -> str | None:
+        return None if value is None else json.dumps(value, cls=field.encoder)
+
+    return as_json
+
+
+@functools.cache
+def _promote_sql(using: str) -> str:
+    """PostgreSQL: `_promote_next` for the sessions of many finished runs (one array of run
+    ids) in one statement, after their terminal update: each session's oldest waiting run
+    made ready unless another run of it is unfinished and ready; returns the runs made
+    ready."""
+    quote = connections[using].ops.quote_name
+    table = quote(Run._meta.db_table)
+    unfinished = ", ".join(f"'{status}'" for status in UNFINISHED_STATUSES)
+    return (
+        f"UPDATE {table} SET ready = TRUE WHERE id IN ("
+        f"SELECT DISTINCT ON (q.session_id) q.id FROM {table} q"
+        f" WHERE q.session_id IN (SELECT session_id FROM {table} WHERE id = ANY(%s::uuid[]))"
+        f" AND q.status = '{RunStatus.QUEUED}' AND NOT q.ready"
+        f" AND NOT EXISTS (SELECT 1 FROM {table} u WHERE u.session_id = q.session_id"
+        f" AND u.status IN ({unfinished}) AND u.ready)"
+        f" ORDER BY q.session_id, q.created_at, q.id) RETURNING id"
+    )
+
+
+def lock_fences(fences: Sequence[Fence], connection: Any) -> tuple[Any, int]:
+    """PostgreSQL, for a pipeline on the raw connection: lock (in id order) the run rows
+    that ``fences`` still own — running, same owner and token, lease not expired by the
+    database's clock. Returns the cursor (its rows: the runs held) and how many distinct
+    runs must be held for every fence to pass."""
+    table = connection.ops.quote_name(Run._meta.db_table)
+    wanted = {(str(f.run_id), f.lease_owner, f.lease_token) for f in fences}
+    ids, owners, tokens = zip(*sorted(wanted), strict=True) if wanted else ((), (), ())
+    cursor = connection.connection.cursor()
+    cursor.execute(
+        f"SELECT r.id FROM {table} r JOIN UNNEST(%s::uuid[], %s::varchar[], %s::bigint[])"
+        f" AS f(id, owner, token) ON r.id = f.id WHERE r.lease_owner = f.owner"
+        f" AND r.lease_token = f.token AND r.status = '{RunStatus.RUNNING}'"
+        f" AND r.lease_expires_at > STATEMENT_TIMESTAMP() ORDER BY r.id FOR UPDATE OF r",
+        [[_as_uuid(i) for i in ids], list(owners), list(tokens)],
+    )
+    return cursor, len(wanted)
 
 
 def _as_uuid(value: Any) -> Any:

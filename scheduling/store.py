@@ -16,6 +16,7 @@ durable event. ``SAGE_STORE_WRITERS`` writers may run; a session always uses the
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -48,7 +49,7 @@ from sageproject.errors import (
     UnavailableError,
     ValidationError,
 )
-from scheduling import live
+from scheduling import live, runs
 from scheduling.faults import crash_point
 from scheduling.leases import FenceRejected
 from scheduling.models import Event, Run, RunStatus, Session
@@ -291,6 +292,47 @@ def _set_prefixes(using: str, totals: list[tuple[str, int]]) -> int:
         return cursor.rowcount
 
 
+@functools.cache
+def _pipelined_sql(using: str) -> tuple[str, str, str]:
+    """The pipelined group commit's statements on database ``using`` (PostgreSQL): lock the
+    sessions, move their durable counts on where they are still as expected, insert the
+    events."""
+    quote = connections[using].ops.quote_name
+    sessions, events = quote(Session._meta.db_table), quote(Event._meta.db_table)
+    columns = ", ".join(
+        quote(Event._meta.get_field(name).column)
+        for name in ("session", "seq", "run", "type", "data", "created_at")
+    )
+    count = quote(Session._meta.get_field("persisted_events").column)
+    return (
+        f"SELECT id FROM {sessions} WHERE id = ANY(%s::uuid[]) ORDER BY id FOR UPDATE",
+        f"UPDATE {sessions} s SET {count} = c.total, updated_at = %s"
+        f" FROM UNNEST(%s::uuid[], %s::int[], %s::int[]) AS c(id, expected, total)"
+        f" WHERE s.id = c.id AND s.{count} = c.expected",
+        f"INSERT INTO {events} ({columns}) SELECT * FROM UNNEST(%s::uuid[], %s::int[],"
+        f" %s::uuid[], %s::varchar[], %s::text[], %s::timestamptz[])",
+    )
+
+
+def _event_columns(commits: list[_Commit]) -> list[list[Any]]:
+    """The events of ``commits`` as the insert's column arrays."""
+    columns: list[list[Any]] = [[], [], [], [], [], []]
+    for commit in commits:
+        session = uuid.UUID(commit.session_id)
+        for e in commit.rows:
+            columns[0].append(session)
+            columns[1].append(e.seq)
+            columns[2].append(None if e.run_id is None else _uuid_or_none(e.run_id))
+            columns[3].append(e.type)
+            columns[4].append(e.data)
+            columns[5].append(e.created_at)
+    return columns
+
+
+# libpq's transaction status of a connection with no transaction open.
+_IDLE = 0
+
+
 class _BatchFailed(Exception):
     """The batched form of a group commit failed; the batch is redone with savepoints."""
 
@@ -325,6 +367,11 @@ class _Writer(threading.Thread):
         self.commits = 0
         self.rejected = 0
         self.largest_batch = 0
+        # Whether batches may take the pipelined group commit (PostgreSQL); known once the
+        # thread first commits.
+        self.pipeline: bool | None = None
+        self.pipelined = 0  # transactions that took it
+        self.redone = 0  # batches it gave back to the general way
 
     def submit(self, request: _Request) -> None:
         if self.closed:
@@ -389,6 +436,11 @@ class _Writer(threading.Thread):
 
     def _commit_batch(self, commits: list[_Commit]) -> None:
         self.largest_batch = max(self.largest_batch, len(commits))
+        if self._pipelinable(commits):
+            outcomes = self._commit_pipelined(commits)
+            if outcomes is not None:
+                self._settle_all(commits, outcomes)
+                return
         if len(commits) == 1:
             # Alone in its transaction: the transaction is its savepoint.
             self._settle_all(commits, self._in_transaction(commits, self._apply_one))
@@ -428,6 +480,111 @@ class _Writer(threading.Thread):
             outcomes = [error] * len(commits)
         self.transactions += 1
         return outcomes
+
+    def _pipelinable(self, commits: list[_Commit]) -> bool:
+        """Whether the batch can take `_commit_pipelined`: PostgreSQL (with libpq's pipeline
+        mode), every commit fenced, appending (no rewrite, no run deleted), its transition
+        none or one with a pipelined form."""
+        if self.pipeline is None:
+            connection = connections[self.using]
+            self.pipeline = connection.vendor == "postgresql" and runs.pipeline_supported()
+        if not self.pipeline:
+            return False
+        return all(
+            commit.fence is not None
+            and not commit.replace
+            and not commit.delete_runs
+            and (commit.transition is None or getattr(commit.transition, "pipelinable", False))
+            for commit in commits
+        )
+
+    def _commit_pipelined(self, commits: list[_Commit]) -> list[BaseException | None] | None:
+        """The group commit on PostgreSQL in two round trips, whatever the batch's size.
+
+        The first sends, in libpq's pipeline mode: ``BEGIN``; the run rows the commits'
+        fences still own, locked in id order (`runs.lock_fences`); the sessions' rows, locked
+        in id order; each session's durable count moved on — only where it is still the
+        count this process believes in; the events (one ``INSERT … UNNEST``); the run
+        transitions (`Finish.pipeline_many`: the fenced terminal update, the archive, the
+        next runs made ready). Once the results are in, every check must hold — every fence,
+        every session's count, every terminal update — then the second is ``COMMIT``.
+
+        Returns the outcomes (all None, or all the same failure of the ``COMMIT``); None if
+        a check failed or a statement was refused: the transaction was rolled back, nothing
+        of it was written, and the caller redoes the batch the general way (which rejects
+        the culprit alone, with its own error)."""
+        connection = connections[self.using]
+        sessions = sorted({commit.session_id for commit in commits})
+        rows = sum(len(commit.rows) for commit in commits)
+        lock_sessions, move_sessions, insert_events = _pipelined_sql(self.using)
+        checks: list[Callable[[], None]] = []
+        try:
+            connection.ensure_connection()
+            raw = connection.connection
+            with connection.wrap_database_errors:
+                try:
+                    with runs.pipelined(raw):
+                        raw.execute("BEGIN")
+                        held, wanted = runs.lock_fences([c.fence for c in commits], connection)
+                        raw.cursor().execute(lock_sessions, [[uuid.UUID(s) for s in sessions]])
+                        moved = raw.cursor()
+                        moved.execute(
+                            move_sessions,
+                            [
+                                timezone.now(),
+                                [uuid.UUID(c.session_id) for c in commits],
+                                [c.expected for c in commits],
+                                [c.total for c in commits],
+                            ],
+                        )
+                        inserted = raw.cursor()
+                        if rows:
+                            inserted.execute(insert_events, _event_columns(commits))
+                        grouped: dict[Any, list[Any]] = {}
+                        for commit in commits:
+                            if commit.transition is not None:
+                                many = type(commit.transition).pipeline_many
+                                grouped.setdefault(many, []).append(commit.transition)
+                        for many, group in grouped.items():
+                            checks.append(many(group, connection))
+                    if (
+                        len(held.fetchall()) != wanted
+                        or moved.rowcount != len(commits)
+                        or (rows and inserted.rowcount != rows)
+                    ):
+                        raise FenceRejected(None)
+                    for check in checks:
+                        check()
+                except BaseException:
+                    if raw.pgconn.transaction_status != _IDLE:
+                        raw.execute("ROLLBACK")
+                    raise
+        except (FenceRejected, DatabaseError) as exc:
+            # A fence or a session count that no longer holds, a refused statement, a
+            # deadlock, a lost connection: the general way sorts it out commit by commit.
+            if isinstance(exc, DatabaseError):
+                logger.warning("store: pipelined group commit failed (%s); redoing it", exc)
+                if connection.connection is None or connection.connection.closed:
+                    connection.close()
+            self.redone += 1
+            return None
+        points = sorted({_point(commit) for commit in commits})
+        try:
+            for point in points:
+                crash_point(f"{point}.before_commit")
+            with connection.wrap_database_errors:
+                raw.execute("COMMIT")
+        except Exception as exc:
+            error = _translate(exc, commits[0].session_id if len(commits) == 1 else None)
+            if isinstance(exc, DatabaseError):
+                connection.close()
+            self.transactions += 1
+            return [error] * len(commits)
+        for point in points:
+            crash_point(f"{point}.after_commit")
+        self.transactions += 1
+        self.pipelined += 1
+        return [None] * len(commits)
 
     def _settle_all(self, commits: list[_Commit], outcomes: list[BaseException | None]) -> None:
         # Answers go out only now: the transaction has committed (or failed).
@@ -1077,12 +1234,16 @@ class SessionStoreCoordinator:
             self._states.pop(key, None)
 
     def snapshot(self) -> dict[str, Any]:
-        """Counters: open sessions, writers, transactions, commits, rejected, largest batch."""
+        """Counters: open sessions, writers, transactions (``pipelined``: those of the
+        pipelined group commit; ``redone``: its batches redone the general way after a
+        check failed), commits, rejected, largest batch."""
         return {
             "open_sessions": len(self._states),
             "writers": len(self._writers),
             "group_commit": self.group_commit,
             "transactions": sum(w.transactions for w in self._writers),
+            "pipelined": sum(w.pipelined for w in self._writers),
+            "redone": sum(w.redone for w in self._writers),
             "commits": sum(w.commits for w in self._writers),
             "rejected": sum(w.rejected for w in self._writers),
             "largest_batch": max(w.largest_batch for w in self._writers),

@@ -342,13 +342,13 @@ def test_finish_writes_status_result_event_and_archive_in_one_transaction(alice,
     def archiver_fails(records: list[runs.ArchiveRecord], using: str) -> None:
         raise Boom
 
-    previous = runs._archiver
+    previous = runs._archiver, runs._archive_statement
     runs.set_archiver(archiver_fails)
     try:
         with pytest.raises(Boom):
             finish(fence)
     finally:
-        runs.set_archiver(previous)
+        runs.set_archiver(*previous)
     run.refresh_from_db()
     # Nothing of the finish landed: no event, still running under the same lease.
     assert (run.status, run.result, types(run)) == (RunStatus.RUNNING, None, [])

@@ -18,9 +18,11 @@ from asgiref.sync import sync_to_async
 from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 
+from agents.models import ManagedAgentRecord
 from sageproject.errors import ConflictError, SageError, ValidationError
 from scheduling import serialization
 from scheduling.models import Event, Run, RunStatus, Session
+from scheduling.runs import Finish
 from scheduling.serialization import SessionEvent
 from scheduling.store import (
     CommitSpec,
@@ -353,6 +355,76 @@ async def test_it_rejects_only_the_stale_commit_in_a_group_commit(alice, coordin
         (2, [1, 2]),
         (3, [1, 2, 3]),
     ]
+
+
+@pytest.mark.storage
+@pytest.mark.django_db(transaction=True)
+async def test_a_group_commit_of_finishes_lands_whole_archived_and_hands_on_the_turn(
+    alice, coordinator
+):
+    """Runs finishing together (PostgreSQL: the pipelined group commit, two round trips):
+    each run's events, terminal status and archive row, and a session's waiting run made
+    ready — and, where a fence is stale, the batch redone the general way, only the stale
+    commit refused."""
+    seeded = [await seed_session(alice, 1, run=True) for _ in range(3)]
+    for session, _ in seeded:
+        await coordinator.history(session.id)
+    waiting = await sync_to_async(Run.objects.create)(
+        session=seeded[1][0], owner=alice, status=RunStatus.QUEUED, ready=False
+    )
+    results = [{"text": "ok", "n": [i, "é"]} for i in range(3)]
+    finishes = [
+        Finish(seeded_fence(run), RunStatus.COMPLETED, result=results[i])
+        for i, (_, run) in enumerate(seeded)
+    ]
+    before = coordinator.snapshot()
+
+    async def finish_all(transitions: list[Finish]) -> list[Any]:
+        async with WriterGate(coordinator, seeded[0][0].id) as gate:
+            tasks = [
+                asyncio.create_task(
+                    coordinator.commit(
+                        by_run[str(t.fence.run_id)],
+                        run_id=t.fence.run_id,
+                        drafts=[("run.completed", {})],
+                        fence=t.fence,
+                        transition=t,
+                    )
+                )
+                for t in transitions
+            ]
+            await gate.wait_queued(len(tasks))
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    by_run = {str(run.id): session.id for session, run in seeded}
+    # One stale fence in the batch: the others land, the stale one alone is refused.
+    stale = Finish(seeded_fence(seeded[1][1], token=3), RunStatus.COMPLETED)
+    outcomes = await finish_all([finishes[0], stale, finishes[2]])
+    assert [getattr(o, "code", None) for o in outcomes] == [None, "scheduler.fence_rejected", None]
+    middle = coordinator.snapshot()
+    (outcome,) = await finish_all([finishes[1]])
+    assert getattr(outcome, "code", None) is None
+    after = coordinator.snapshot()
+    if connection.vendor == "postgresql":
+        assert middle["redone"] - before["redone"] == 1
+        assert after["pipelined"] - middle["pipelined"] == 1
+        assert after["redone"] == middle["redone"]
+    assert [(await db_state(s.id))[0] for s, _ in seeded] == [2, 2, 2]
+
+    @sync_to_async
+    def rows() -> tuple[dict[Any, Any], dict[Any, Any], bool]:
+        runs_ = {r.pk: (r.status, r.result) for r in Run.objects.filter(session__owner=alice)}
+        archived = {
+            a.run_id: (a.status, a.result, a.package_name)
+            for a in ManagedAgentRecord.objects.filter(owner=alice)
+        }
+        return runs_, archived, Run.objects.get(pk=waiting.pk).ready
+
+    runs_, archived, ready = await rows()
+    for i, (_, run) in enumerate(seeded):
+        assert runs_[run.pk] == (RunStatus.COMPLETED, results[i])
+        assert archived[run.pk] == (RunStatus.COMPLETED, results[i], "demo")
+    assert ready is True
 
 
 @pytest.mark.storage
