@@ -576,6 +576,21 @@ def pipelined(raw: Any) -> Any:
     return raw.pipeline() if pipeline_supported() else nullcontext()
 
 
+class _SecondReport(logging.Filter):
+    """Drops psycopg's "error ignored terminating <Pipeline>: pipeline aborted": a statement
+    of the pipeline failed and that error is already on its way to the caller (an
+    admission refused by its guard, a group commit redone) — the same failure twice."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            str(record.msg).startswith("error ignored terminating")
+            and "pipeline aborted" in record.getMessage()
+        )
+
+
+logging.getLogger("psycopg").addFilter(_SecondReport())
+
+
 @functools.cache
 def _admission_statements(using: str) -> tuple[str, str, str, tuple[Any, ...]]:
     """`_admit_pipelined`'s statements on database ``using`` — the session lock, the
