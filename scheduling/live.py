@@ -325,7 +325,9 @@ def _events_after(session_id: Any, after: int) -> list[Any]:
     )
 
 
-async def follow(session_id: Any, after: int, seconds: float) -> AsyncIterator[Any]:
+async def follow(
+    session_id: Any, after: int, seconds: float, *, subscription: Subscription | None = None
+) -> AsyncIterator[Any]:
     """A session as it happens, for ``seconds`` at most: its durable events after seq
     ``after`` (``Event`` rows, from the database: the source of truth for every process) in
     seq order, with the workers' live `Delta`\\s in between, `Dropped` when this follower
@@ -337,11 +339,15 @@ async def follow(session_id: Any, after: int, seconds: float) -> AsyncIterator[A
     its worker committed before it); without one it polls every ``FOLLOW_POLL_SECONDS``.
     Deltas wait in a bounded queue per follower: one that does not read loses deltas and
     never slows a run. Close the iterator (``contextlib.aclosing``) to stop early.
+
+    ``subscription``: one the caller took already (`LiveHub.subscribe`) — to tell its
+    client it is live before the first item — which the follower then owns and closes.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     quiet_since = loop.time()
-    subscription = await hub().subscribe(session_id)
+    if subscription is None:
+        subscription = await hub().subscribe(session_id)
     reported = 0
     read_events = sync_to_async(_events_after, thread_sensitive=False)
     try:

@@ -234,9 +234,17 @@ async def _event_stream(session_id: Any, after: int, seconds: float) -> AsyncIte
     """The session as Server-Sent Events (`scheduling.live.follow`): durable events with
     ``id`` = seq, live ``message.delta`` and ``tool_call.delta`` events without one (never
     persisted, so a reconnect with ``Last-Event-ID`` replays durable events and then joins
-    the deltas), ``: dropped N deltas`` when this client read too slowly, and keep-alives."""
-    yield b"retry: 1000\n\n"
-    async with contextlib.aclosing(live.follow(session_id, after, seconds)) as items:
+    the deltas), ``: dropped N deltas`` when this client read too slowly, and keep-alives.
+    The first line, ``retry: 1000``, is sent once the stream is subscribed to the live
+    channel: a client that starts a run after reading it misses none of its deltas."""
+    subscription = await live.hub().subscribe(session_id)
+    try:
+        yield b"retry: 1000\n\n"
+    except BaseException:
+        await subscription.close()  # the client left before the follower took it over
+        raise
+    follower = live.follow(session_id, after, seconds, subscription=subscription)
+    async with contextlib.aclosing(follower) as items:
         async for item in items:
             if isinstance(item, live.Delta):
                 body = orjson.dumps({"type": item.type, "run": item.run, "payload": item.payload})

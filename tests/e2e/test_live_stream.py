@@ -101,6 +101,39 @@ def test_token_deltas_reach_the_stream_while_the_model_streams(alice, start_work
     assert Run.objects.get(pk=run_id).status == RunStatus.COMPLETED
 
 
+def test_a_delta_published_once_the_stream_began_reaches_it(alice):
+    """The stream's first line (``retry:``) comes once it listens: a client that starts a
+    run after reading it misses none of the run's deltas."""
+    _package(alice, words=1, delay_ms=0)
+    api = client_for(alice)
+    session = api.post(
+        "/api/v1/sessions/", {"package": "streamy", "agent": "assistant"}, format="json"
+    ).json()["id"]
+    response = api.get(f"/api/v1/sessions/{session}/stream/", {"timeout": 30})
+
+    async def scenario() -> bytes:
+        iterator = response.streaming_content.__aiter__()
+        publisher = live.LivePublisher()
+        await publisher.start()
+        try:
+            assert (await asyncio.wait_for(iterator.__anext__(), BOUND)).startswith(b"retry:")
+            delta = {"type": "message.delta", "payload": {"text": "first", "offset": 0}}
+            publisher.publish({"session": session, "run": None, **delta})
+            # Sent (notified, or written to the listening sockets) before reading on.
+            deadline = time.monotonic() + BOUND
+            while publisher.sent < 1 and time.monotonic() < deadline:  # noqa: ASYNC110 (a counter)
+                await asyncio.sleep(0.01)
+            buffer = b""
+            while b"message.delta" not in buffer:
+                buffer += await asyncio.wait_for(iterator.__anext__(), 10)
+            return buffer
+        finally:
+            await publisher.close()
+            await iterator.aclose()
+
+    assert b'"text":"first"' in asyncio.run(scenario())
+
+
 def test_tool_call_argument_deltas_reach_the_stream_before_the_call(alice, start_worker):
     arguments = {"expression": "(2+3)*4 + 100/5 - 7"}
     scripted_model(
