@@ -38,8 +38,14 @@ class Session(models.Model):
     objects = OwnedQuerySet.as_manager()
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    # Foreign keys whose column leads a composite index below carry no index of their own
+    # (here and in Event, Run): the composite serves every lookup by the column, and each
+    # index is one more write per inserted or updated row.
     owner = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="agent_sessions"
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        related_name="agent_sessions",
+        db_index=False,  # session_owner_recent
     )
     # The package is referenced by its immutable content hash (and its name for people);
     # scheduling does not import agents (DESIGN §2), so there is no foreign key.
@@ -68,7 +74,9 @@ class Session(models.Model):
 class Event(models.Model):
     """One durable event. ``data`` holds the payload serialized once (orjson) as text."""
 
-    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="events")
+    session = models.ForeignKey(
+        Session, on_delete=models.CASCADE, related_name="events", db_index=False
+    )  # event_session_seq
     seq = models.PositiveIntegerField()
     run = models.ForeignKey(
         "Run", null=True, blank=True, on_delete=models.SET_NULL, related_name="events"
@@ -161,9 +169,14 @@ class Run(models.Model):
     objects = OwnedQuerySet.as_manager()
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="runs")
+    session = models.ForeignKey(
+        Session, on_delete=models.CASCADE, related_name="runs", db_index=False
+    )  # run_session_created
     owner = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="runs"
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        related_name="runs",
+        db_index=False,  # run_owner_status
     )
     parent = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.CASCADE, related_name="children"
