@@ -11,14 +11,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import migrations
+from django.db import migrations, models
 
 
-def covered_foreign_key(app_label: str, model_name: str, name: str, field: Any) -> Any:
-    """``AlterField(model_name, name, field)`` (``field`` has ``db_index=False``) whose
-    database side drops the column's single-column index on PostgreSQL and SQLite. MySQL
-    keeps it: InnoDB needs an index on every foreign key (Django never made one of its own
-    there), so nothing changes on MySQL."""
+def covered_foreign_key(
+    app_label: str, model_name: str, name: str, *, to: str, related_name: str
+) -> Any:
+    """``AlterField`` of the ``CASCADE`` foreign key ``model_name.name`` to ``db_index=False``
+    whose database side drops the column's single-column index on PostgreSQL and SQLite.
+    MySQL keeps it: InnoDB needs an index on every foreign key (Django never made one of
+    its own there), so nothing changes on MySQL."""
+    field = models.ForeignKey(
+        db_index=False, on_delete=models.CASCADE, related_name=related_name, to=to
+    )
 
     def target(apps: Any) -> tuple[Any, str]:
         model = apps.get_model(app_label, model_name)
