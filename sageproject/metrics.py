@@ -259,6 +259,31 @@ SNAPSHOT_FIGURES: tuple[tuple[str, str, str, str], ...] = (
     ),
     ("sage_model_calls_limit", "gauge", "executor.model_calls.limit", "Model-call slots."),
     (
+        "sage_store_transactions",
+        "counter",
+        "store.transactions",
+        "Transactions of the worker's session store (each a group commit of one or more commits).",
+    ),
+    (
+        "sage_store_commits",
+        "counter",
+        "store.commits",
+        "Commits (a run's events with its state change) the session store made durable.",
+    ),
+    (
+        "sage_store_commits_rejected",
+        "counter",
+        "store.rejected",
+        "Commits the session store refused: a stale lease, a session moved on elsewhere, "
+        "a failed write.",
+    ),
+    (
+        "sage_store_batches_redone",
+        "counter",
+        "store.redone",
+        "Group commits redone commit by commit after a check of the pipelined form failed.",
+    ),
+    (
         "sage_model_calls_rejected",
         "counter",
         "executor.model_calls.rejected",

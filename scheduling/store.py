@@ -1291,6 +1291,13 @@ def get_default_coordinator() -> SessionStoreCoordinator:
     return _default
 
 
+def default_snapshot() -> dict[str, Any] | None:
+    """The process's coordinator's counters (`SessionStoreCoordinator.snapshot`), None
+    while it has none: for the worker's published figures."""
+    coordinator = _default
+    return None if coordinator is None or coordinator._closed else coordinator.snapshot()
+
+
 async def close_default_coordinator() -> None:
     """Stop the process default coordinator (worker shutdown, test teardown)."""
     global _default, _default_loop

@@ -40,7 +40,7 @@ from scheduling.leases import SchedulerQuotaGroup
 from scheduling.live import LivePublisher
 from scheduling.models import Run, RunStatus, WorkerSnapshot
 from scheduling.runs import DbNow
-from scheduling.store import close_default_coordinator
+from scheduling.store import close_default_coordinator, default_snapshot
 from scheduling.wakeups import Listener
 
 logger = logging.getLogger("sage.worker")
@@ -235,6 +235,7 @@ class Worker:
                 "live": self.live.snapshot() if self.live is not None else None,
             },
             "executor": self.executor.capacity(),
+            "store": default_snapshot(),
             "metrics": self.metrics.snapshot(),
         }
 

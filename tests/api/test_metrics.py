@@ -200,6 +200,7 @@ def test_worker_families_come_from_recent_snapshots(metrics_dir):
             "jobs": {"runtime": "InMemoryJobRuntime", "admitted": 1, "retained_terminal": 7},
             "code_tools": {"sessions": {"live": 2, "rss": 1000, "evictions": 3}},
         },
+        "store": {"transactions": 40, "commits": 90, "rejected": 2, "redone": 1},
         "metrics": counted.snapshot(),
     }
     now = db_now()
@@ -234,6 +235,10 @@ def test_worker_families_come_from_recent_snapshots(metrics_dir):
     assert got.value("sage_code_sessions_live", **live) == 2
     assert got.value("sage_code_sessions_rss_bytes", **live) == 1000
     assert got.value("sage_code_session_evictions_total", **live) == 3
+    assert got.value("sage_store_transactions_total", **live) == 40
+    assert got.value("sage_store_commits_total", **live) == 90
+    assert got.value("sage_store_commits_rejected_total", **live) == 2
+    assert got.value("sage_store_batches_redone_total", **live) == 1
     assert got.value("sage_lease_reclaims_total", **live) == 2
     assert got.value("sage_lease_reclaims_total", worker="w-stopped") == 0
     assert got.value("sage_fence_rejections_total", write="events", **live) == 1
