@@ -364,6 +364,11 @@ def _workers_card(fleet: _Fleet, workers: list[dict]) -> dict[str, Any]:
         [
             ("claims since start", fleet.total("scheduler", "claims")),
             ("claim errors", fleet.total("scheduler", "claim_errors")),
+            (
+                "event commits / transactions",
+                f"{fleet.total('store', 'commits')} / {fleet.total('store', 'transactions')}",
+            ),
+            ("event commits refused", fleet.total("store", "rejected")),
             ("wake-up channel", fleet.labels("scheduler", "wakeups", "channel")),
         ],
         workers=True,

@@ -71,7 +71,8 @@ def test_it_shows_the_capacity_page(staff_client):
                   "executor": {"model_calls": {"limit": 8, "active": 2},
                                "code_tools": {"enabled": True, "pools": {"python": {
                                    "created": 4, "in_use": 2, "max": 8,
-                                   "history": [[0, 1, 0], [60, 4, 2]]}}}}},
+                                   "history": [[0, 1, 0], [60, 4, 2]]}}}},
+                  "store": {"commits": 120, "transactions": 45, "rejected": 2}},
     )
     response = staff_client.get(reverse("admin:capacity"))
     assert response.status_code == 200
@@ -80,6 +81,8 @@ def test_it_shows_the_capacity_page(staff_client):
     assert "runs.max_concurrent" in content
     assert "executor.model_calls.active" in content
     assert 'id="card-model-calls"' in content
+    # The session store's group commit: commits per transaction, and what it refused.
+    assert "120 / 45" in content and "event commits refused" in content
     # The pool's history is drawn as a chart of its own, on the server.
     assert 'data-chart="code-tools-python-interpreters"' in content
     assert '<path class="sage-line"' in content

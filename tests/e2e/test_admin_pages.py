@@ -303,6 +303,7 @@ def test_operators_read_runs_sessions_capacity_and_lists(
         line = page.locator(f'[data-chart="{chart}"] svg path.sage-line').first
         assert len(line.get_attribute("d")) > 500, chart  # an hour of samples, one path
     expect(page.locator("#card-model-calls .sage-big").first).to_contain_text("3 / 16")
+    expect(page.locator("#card-workers")).to_contain_text("event commits / transactions")
     shots.append(_shot(page, "capacity"))
 
     # Lists: one line per row at 1400 px — no wrapped id or time — and nothing off-screen.
