@@ -67,11 +67,33 @@ def runs_10x20(db) -> dict[str, str]:
     return make_runs(10, 20)
 
 
+WORKERS = ("worker-a", "worker-b")
+
+
+def publish_snapshots() -> None:
+    """Both workers' heartbeats, as running workers publish them: each then claims its
+    share of the global limit (`fair_share`), so neither can take every freed slot."""
+    from scheduling.models import WorkerSnapshot
+    from scheduling.runs import db_now
+
+    now = db_now()
+    for name in WORKERS:
+        WorkerSnapshot.objects.create(
+            worker_id=name,
+            host="test",
+            pid=0,
+            started_at=now,
+            heartbeat_at=now,
+            capacity={"runs": {"max_concurrent": GLOBAL}},
+        )
+
+
 async def test_it_never_exceeds_the_limits_while_200_runs_of_10_users_execute(runs_10x20):
     seen_full = asyncio.Event()
     executor = SharedExecutor(runs_10x20, seen_full)
     dispatchers = []
-    for name in ("worker-a", "worker-b"):
+    await db_call(publish_snapshots)
+    for name in WORKERS:
         scheduler = DatabaseScheduler(quota_group=SchedulerQuotaGroup(GLOBAL, PER_USER, 1024))
         dispatcher = Dispatcher(
             scheduler,
