@@ -631,7 +631,7 @@ _IDLE = 0
 
 
 @functools.cache
-def _division_by_zero() -> type[Exception]:
+def division_by_zero() -> type[Exception]:
     import psycopg
 
     return psycopg.errors.DivisionByZero
@@ -693,7 +693,7 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool
             if commit:
                 if raw.pgconn.transaction_status != _IDLE:
                     raw.execute("ROLLBACK")
-                if not isinstance(exc, _division_by_zero()):
+                if not isinstance(exc, division_by_zero()):
                     raise
             else:
                 raise
@@ -1797,9 +1797,8 @@ class Start:
         return not self.clear_resolution
 
     @classmethod
-    def pipeline_many(cls, starts: list[Start], connection: Any) -> Callable[[], None]:
+    def pipeline_many(cls, starts: list[Start], connection: Any) -> None:
         """Nothing beyond the commit's own fence check (`lock_fences`)."""
-        return lambda: None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1873,41 +1872,34 @@ class Finish:
         return not self.rollback and _archive_statement is not None
 
     @classmethod
-    def pipeline_many(cls, finishes: list[Finish], connection: Any) -> Callable[[], None]:
-        """`apply_many` for the session store's pipelined group commit on PostgreSQL: the
-        statements are sent on the raw connection inside the caller's pipeline — the fenced
-        terminal update (`_update_unnest`'s), the archive upsert, the sessions' next runs
-        made ready — and the returned check, called once their results are in, raises
-        ``scheduler.fence_rejected`` unless every run was updated (the caller then rolls
-        back and redoes the batch the general way), and wakes the workers if a run was
-        made ready."""
+    def pipeline_many(cls, finishes: list[Finish], connection: Any) -> None:
+        """`apply_many` for the session store's pipelined group commit on PostgreSQL, sent
+        on the raw connection inside the caller's pipeline (its ``COMMIT`` follows them):
+        the fenced terminal update (`_update_unnest`'s) and the archive upsert, each failing
+        the transaction unless every run was written (`guarded`), and the sessions' next
+        runs made ready, the workers woken if one was."""
         raw = connection.connection
         ids = [_as_uuid(f.fence.run_id) for f in finishes]
-        done = raw.cursor()
-        done.execute(*cls._unnest_statement(finishes, connection))
+        sql, params = cls._unnest_statement(finishes, connection)
+        raw.cursor().execute(guarded(sql), [*params, len(finishes)])
         assert _archive_statement is not None
         as_json = _json_text(Run._meta.get_field("result"))
-        archived = raw.cursor()
-        archived.execute(
-            _archive_statement(connection),
+        raw.cursor().execute(
+            guarded(_archive_statement(connection) + " RETURNING 1"),
             [
                 ids,
                 [f.status for f in finishes],
                 [as_json(f.result) for f in finishes],
                 [as_json(f.error) for f in finishes],
                 [as_json(f.flow_outputs) for f in finishes],
+                len(finishes),
             ],
         )
-        promoted = raw.cursor()
-        promoted.execute(_promote_sql(connection.alias), [ids])
-
-        def check() -> None:
-            if len(done.fetchall()) != len(finishes) or archived.rowcount != len(finishes):
-                raise FenceRejected(None)
-            if promoted.fetchall():
-                wakeups.notify("run", using=connection.alias)
-
-        return check
+        raw.cursor().execute(
+            f"WITH promoted AS ({_promote_sql(connection.alias)})"
+            " SELECT pg_notify(%s, %s) FROM (SELECT 1 FROM promoted LIMIT 1) any_promoted",
+            [ids, wakeups.CHANNEL, "run"],
+        )
 
     @classmethod
     def apply_many(cls, finishes: list[Finish], using: str) -> None:
@@ -2053,23 +2045,29 @@ def _promote_sql(using: str) -> str:
     )
 
 
-def lock_fences(fences: Sequence[Fence], connection: Any) -> tuple[Any, int]:
+def lock_fences(fences: Sequence[Fence], connection: Any) -> None:
     """PostgreSQL, for a pipeline on the raw connection: lock (in id order) the run rows
     that ``fences`` still own — running, same owner and token, lease not expired by the
-    database's clock. Returns the cursor (its rows: the runs held) and how many distinct
-    runs must be held for every fence to pass."""
+    database's clock — and fail the statement (division by zero: the transaction is
+    aborted, its ``COMMIT`` skipped) unless every fence's run is held."""
     table = connection.ops.quote_name(Run._meta.db_table)
     wanted = {(str(f.run_id), f.lease_owner, f.lease_token) for f in fences}
     ids, owners, tokens = zip(*sorted(wanted), strict=True) if wanted else ((), (), ())
-    cursor = connection.connection.cursor()
-    cursor.execute(
-        f"SELECT r.id FROM {table} r JOIN UNNEST(%s::uuid[], %s::varchar[], %s::bigint[])"
-        f" AS f(id, owner, token) ON r.id = f.id WHERE r.lease_owner = f.owner"
-        f" AND r.lease_token = f.token AND r.status = '{RunStatus.RUNNING}'"
-        f" AND r.lease_expires_at > STATEMENT_TIMESTAMP() ORDER BY r.id FOR UPDATE OF r",
-        [[_as_uuid(i) for i in ids], list(owners), list(tokens)],
+    connection.connection.cursor().execute(
+        f"SELECT 1 / (count(*) = %s)::int FROM (SELECT r.id FROM {table} r"
+        f" JOIN UNNEST(%s::uuid[], %s::varchar[], %s::bigint[]) AS f(id, owner, token)"
+        f" ON r.id = f.id WHERE r.lease_owner = f.owner AND r.lease_token = f.token"
+        f" AND r.status = '{RunStatus.RUNNING}' AND r.lease_expires_at > STATEMENT_TIMESTAMP()"
+        f" ORDER BY r.id FOR UPDATE OF r) held",
+        [len(wanted), [_as_uuid(i) for i in ids], list(owners), list(tokens)],
     )
-    return cursor, len(wanted)
+
+
+def guarded(sql: str) -> str:
+    """``sql`` (a statement ``RETURNING`` something) as one that fails — division by zero,
+    aborting the transaction — unless it returned as many rows as its last parameter
+    says: a check that holds inside a pipeline whose ``COMMIT`` is already sent."""
+    return f"WITH changed AS ({sql}) SELECT 1 / (count(*) = %s)::int FROM changed"
 
 
 def _as_uuid(value: Any) -> Any:

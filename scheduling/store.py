@@ -50,7 +50,7 @@ from sageproject.errors import (
     ValidationError,
 )
 from scheduling import live, runs
-from scheduling.faults import crash_point
+from scheduling.faults import crash_point, is_armed
 from scheduling.leases import FenceRejected
 from scheduling.models import Event, Run, RunStatus, Session
 from scheduling.runs import Fence, check_fence, db_now
@@ -296,7 +296,7 @@ def _set_prefixes(using: str, totals: list[tuple[str, int]]) -> int:
 def _pipelined_sql(using: str) -> tuple[str, str, str]:
     """The pipelined group commit's statements on database ``using`` (PostgreSQL): lock the
     sessions, move their durable counts on where they are still as expected, insert the
-    events."""
+    events — the last two failing unless they wrote every row (`runs.guarded`)."""
     quote = connections[using].ops.quote_name
     sessions, events = quote(Session._meta.db_table), quote(Event._meta.db_table)
     columns = ", ".join(
@@ -306,11 +306,15 @@ def _pipelined_sql(using: str) -> tuple[str, str, str]:
     count = quote(Session._meta.get_field("persisted_events").column)
     return (
         f"SELECT id FROM {sessions} WHERE id = ANY(%s::uuid[]) ORDER BY id FOR UPDATE",
-        f"UPDATE {sessions} s SET {count} = c.total, updated_at = %s"
-        f" FROM UNNEST(%s::uuid[], %s::int[], %s::int[]) AS c(id, expected, total)"
-        f" WHERE s.id = c.id AND s.{count} = c.expected",
-        f"INSERT INTO {events} ({columns}) SELECT * FROM UNNEST(%s::uuid[], %s::int[],"
-        f" %s::uuid[], %s::varchar[], %s::text[], %s::timestamptz[])",
+        runs.guarded(
+            f"UPDATE {sessions} s SET {count} = c.total, updated_at = %s"
+            f" FROM UNNEST(%s::uuid[], %s::int[], %s::int[]) AS c(id, expected, total)"
+            f" WHERE s.id = c.id AND s.{count} = c.expected RETURNING 1"
+        ),
+        runs.guarded(
+            f"INSERT INTO {events} ({columns}) SELECT * FROM UNNEST(%s::uuid[], %s::int[],"
+            f" %s::uuid[], %s::varchar[], %s::text[], %s::timestamptz[]) RETURNING 1"
+        ),
     )
 
 
@@ -499,25 +503,31 @@ class _Writer(threading.Thread):
         )
 
     def _commit_pipelined(self, commits: list[_Commit]) -> list[BaseException | None] | None:
-        """The group commit on PostgreSQL in two round trips, whatever the batch's size.
+        """The group commit on PostgreSQL in one round trip, whatever the batch's size.
 
-        The first sends, in libpq's pipeline mode: ``BEGIN``; the run rows the commits'
-        fences still own, locked in id order (`runs.lock_fences`); the sessions' rows, locked
-        in id order; each session's durable count moved on — only where it is still the
-        count this process believes in; the events (one ``INSERT … UNNEST``); the run
-        transitions (`Finish.pipeline_many`: the fenced terminal update, the archive, the
-        next runs made ready). Once the results are in, every check must hold — every fence,
-        every session's count, every terminal update — then the second is ``COMMIT``.
+        Sent together in libpq's pipeline mode: ``BEGIN``; the run rows the commits' fences
+        still own, locked in id order (`runs.lock_fences`); the sessions' rows, locked in id
+        order; each session's durable count moved on where it is still the count this
+        process believes in; the events (one ``INSERT … UNNEST``); the run transitions
+        (`Finish.pipeline_many`: the fenced terminal update, the archive, the next runs made
+        ready); ``COMMIT``. Each check is a statement that fails unless it holds (every
+        fence, every count, every row written: `runs.guarded`), which aborts the
+        transaction and skips the ``COMMIT``. The transaction never waits on this process:
+        a worker cut off mid-commit leaves no transaction holding its runs' locks (after a
+        pipeline, PostgreSQL's idle-in-transaction timeout is not armed again).
 
-        Returns the outcomes (all None, or all the same failure of the ``COMMIT``); None if
-        a check failed or a statement was refused: the transaction was rolled back, nothing
-        of it was written, and the caller redoes the batch the general way (which rejects
-        the culprit alone, with its own error)."""
+        Returns the outcomes: all None, or all the same failure when the connection was lost
+        with the ``COMMIT`` sent (whether it landed is unknown, as with any lost ``COMMIT``);
+        None if a check failed or a statement was refused — nothing was written, and the
+        caller redoes the batch the general way, which refuses the culprit alone with its
+        own error. With a ``before_commit`` crash point armed (tests) the ``COMMIT`` goes
+        after the pipeline, once the crash point is passed."""
         connection = connections[self.using]
         sessions = sorted({commit.session_id for commit in commits})
         rows = sum(len(commit.rows) for commit in commits)
         lock_sessions, move_sessions, insert_events = _pipelined_sql(self.using)
-        checks: list[Callable[[], None]] = []
+        points = sorted({_point(commit) for commit in commits})
+        at_once = not any(is_armed(f"{point}.before_commit") for point in points)
         try:
             connection.ensure_connection()
             raw = connection.connection
@@ -525,61 +535,50 @@ class _Writer(threading.Thread):
                 try:
                     with runs.pipelined(raw):
                         raw.execute("BEGIN")
-                        held, wanted = runs.lock_fences([c.fence for c in commits], connection)
+                        runs.lock_fences([c.fence for c in commits], connection)
                         raw.cursor().execute(lock_sessions, [[uuid.UUID(s) for s in sessions]])
-                        moved = raw.cursor()
-                        moved.execute(
+                        raw.cursor().execute(
                             move_sessions,
                             [
                                 timezone.now(),
                                 [uuid.UUID(c.session_id) for c in commits],
                                 [c.expected for c in commits],
                                 [c.total for c in commits],
+                                len(commits),
                             ],
                         )
-                        inserted = raw.cursor()
                         if rows:
-                            inserted.execute(insert_events, _event_columns(commits))
+                            raw.cursor().execute(insert_events, [*_event_columns(commits), rows])
                         grouped: dict[Any, list[Any]] = {}
                         for commit in commits:
                             if commit.transition is not None:
                                 many = type(commit.transition).pipeline_many
                                 grouped.setdefault(many, []).append(commit.transition)
                         for many, group in grouped.items():
-                            checks.append(many(group, connection))
-                    if (
-                        len(held.fetchall()) != wanted
-                        or moved.rowcount != len(commits)
-                        or (rows and inserted.rowcount != rows)
-                    ):
-                        raise FenceRejected(None)
-                    for check in checks:
-                        check()
+                            many(group, connection)
+                        if at_once:
+                            raw.execute("COMMIT")
+                    if not at_once:
+                        for point in points:
+                            crash_point(f"{point}.before_commit")
+                        raw.execute("COMMIT")
                 except BaseException:
-                    if raw.pgconn.transaction_status != _IDLE:
+                    if not raw.closed and raw.pgconn.transaction_status != _IDLE:
                         raw.execute("ROLLBACK")
                     raise
-        except (FenceRejected, DatabaseError) as exc:
-            # A fence or a session count that no longer holds, a refused statement, a
-            # deadlock, a lost connection: the general way sorts it out commit by commit.
-            if isinstance(exc, DatabaseError):
+        except DatabaseError as exc:
+            if connection.connection is None or connection.connection.closed:
+                # Lost with the COMMIT perhaps sent: whether it landed is unknown.
+                connection.close()
+                self.transactions += 1
+                only = commits[0].session_id if len(commits) == 1 else None
+                return [_translate(exc, only)] * len(commits)
+            if not isinstance(exc.__cause__, runs.division_by_zero()):
+                # Not a check (a stale fence, a session moved on) but a refused statement:
+                # a deadlock, a row nobody expected.
                 logger.warning("store: pipelined group commit failed (%s); redoing it", exc)
-                if connection.connection is None or connection.connection.closed:
-                    connection.close()
             self.redone += 1
             return None
-        points = sorted({_point(commit) for commit in commits})
-        try:
-            for point in points:
-                crash_point(f"{point}.before_commit")
-            with connection.wrap_database_errors:
-                raw.execute("COMMIT")
-        except Exception as exc:
-            error = _translate(exc, commits[0].session_id if len(commits) == 1 else None)
-            if isinstance(exc, DatabaseError):
-                connection.close()
-            self.transactions += 1
-            return [error] * len(commits)
         for point in points:
             crash_point(f"{point}.after_commit")
         self.transactions += 1
