@@ -22,6 +22,7 @@ from scheduling.models import Run, RunStatus
 from scheduling.runs import Fence, Outcome
 from scheduling.scheduler import SchedulerQuotaGroup
 from scheduling.store import append_events, close_default_coordinator
+from tests.hosts.test_sharing import publish_snapshots
 from tests.scheduling.test_dispatcher import FakeExecutor, make_runs, seqs_by_session
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
@@ -70,29 +71,13 @@ def runs_10x20(db) -> dict[str, str]:
 WORKERS = ("worker-a", "worker-b")
 
 
-def publish_snapshots() -> None:
-    """Both workers' heartbeats, as running workers publish them: each then claims its
-    share of the global limit (`fair_share`), so neither can take every freed slot."""
-    from scheduling.models import WorkerSnapshot
-    from scheduling.runs import db_now
-
-    now = db_now()
-    for name in WORKERS:
-        WorkerSnapshot.objects.create(
-            worker_id=name,
-            host="test",
-            pid=0,
-            started_at=now,
-            heartbeat_at=now,
-            capacity={"runs": {"max_concurrent": GLOBAL}},
-        )
-
-
 async def test_it_never_exceeds_the_limits_while_200_runs_of_10_users_execute(runs_10x20):
     seen_full = asyncio.Event()
     executor = SharedExecutor(runs_10x20, seen_full)
     dispatchers = []
-    await db_call(publish_snapshots)
+    # Both workers' heartbeats, as running workers publish them: each then claims its
+    # share of the global limit (`fair_share`), so neither can take every freed slot.
+    await db_call(publish_snapshots, list(WORKERS), GLOBAL)
     for name in WORKERS:
         scheduler = DatabaseScheduler(quota_group=SchedulerQuotaGroup(GLOBAL, PER_USER, 1024))
         dispatcher = Dispatcher(
