@@ -215,6 +215,9 @@ PG_NETWORK_DEFAULTS = {
     "keepalives_count": 3,
     "tcp_user_timeout": 10000,
 }
+# psycopg prepares a statement after this many executions: never by count, only the
+# statements executed with ``prepare=True`` (see ``prepared`` in `parse_database_url`).
+PREPARE_EXPLICIT_ONLY = 2**31 - 1
 LOG_FORMATS = ("plain", "json")
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -331,6 +334,12 @@ def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
         pool = query.pop("pool", "1").lower() in _TRUE
         if pool:
             options["pool"] = {"min_size": 1, "max_size": int(query.pop("pool_max", "20"))}
+        # The run path's own statements (admission, claim, group commit) are prepared once
+        # per connection and then only bound and run: planning them costs more than running
+        # them. Django's queries are never prepared (client-side binding). ``prepared=0``
+        # turns them off for a pooler that cannot keep prepared statements.
+        prepared = query.pop("prepared", "1").lower() in _TRUE
+        options["prepare_threshold"] = PREPARE_EXPLICIT_ONLY if prepared else None
         options.update(query)
         return {
             **_server_entry(parts, "postgresql", name="postgres", user="", host="", port=""),

@@ -65,6 +65,8 @@ def database_url(alias: str = "default", name: str | None = None) -> str:
             query["pool_max"] = pool.get("max_size", 20)
         elif not pool:
             query["pool"] = "0"
+        if options.pop("prepare_threshold", None) is None:
+            query["prepared"] = "0"
         query.update({k: v for k, v in options.items() if isinstance(v, str | int)})
     suffix = f"?{urlencode(query)}" if query else ""
     return f"{scheme}://{auth}@{host}{port}/{quote(name or s['NAME'])}{suffix}"

@@ -576,6 +576,22 @@ def pipelined(raw: Any) -> Any:
     return raw.pipeline() if pipeline_supported() else nullcontext()
 
 
+def prepared(raw: Any, sql: str, params: Sequence[Any] = ()) -> Any:
+    """Execute ``sql`` on the psycopg connection ``raw`` as a prepared statement — parsed
+    and planned the first time on each connection, after that only bound and run — and
+    return its cursor (in a pipeline, its rows arrive with the pipeline's results). For
+    the run path's own statements: the claim's, the admission's and the group commit's
+    cost more to plan than to run (the claim's about 1.3 ms against 0.3 ms). Parameters
+    are bound on the server, so each must have a type PostgreSQL can use (a cast where
+    ``None`` or an empty list can appear). With prepared statements off (``prepared=0`` in
+    ``DATABASE_URL``: psycopg's ``prepare_threshold`` is None) it is an ordinary statement."""
+    import psycopg
+
+    cursor = psycopg.Cursor(raw)
+    cursor.execute(sql, params, prepare=True)
+    return cursor
+
+
 class _SecondReport(logging.Filter):
     """Drops psycopg's "error ignored terminating <Pipeline>: pipeline aborted": a statement
     of the pipeline failed and that error is already on its way to the caller (an
@@ -683,11 +699,10 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool
             with pipelined(raw):
                 if commit:
                     raw.execute("BEGIN")
-                raw.cursor().execute(lock_sql, [run.session_id, run.owner_id])
-                cursor = raw.cursor()
-                cursor.execute(sql, params)
+                prepared(raw, lock_sql, [run.session_id, run.owner_id])
+                cursor = prepared(raw, sql, params)
                 if commit:
-                    raw.cursor().execute(guard_sql, [run.pk])
+                    prepared(raw, guard_sql, [run.pk])
                     raw.execute("COMMIT")
         except Exception as exc:
             if commit:
@@ -866,10 +881,8 @@ def _claim_reads(
     raw = connection.connection
     with connection.wrap_database_errors, pipelined(raw):
         tokens = _take_claim_lock(connection, count)
-        running = raw.cursor()
-        running.execute(_running_query(connection))
-        owners = raw.cursor()
-        owners.execute(*_owners_query(connection, queue))
+        running = prepared(raw, _running_query(connection))
+        owners = prepared(raw, *_owners_query(connection, queue))
     row = tokens.fetchone()
     if row is None:
         raise _FenceRowMissing
@@ -886,10 +899,10 @@ def _take_claim_lock(connection: Any, count: int) -> Any:
     row is the range's last token (none: the row is missing)."""
     raw = connection.connection
     table = connection.ops.quote_name(FenceSequence._meta.db_table)
-    raw.cursor().execute(f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}")
-    tokens = raw.cursor()
-    tokens.execute(f"UPDATE {table} SET value = value + {int(count)} WHERE id = 1 RETURNING value")
-    return tokens
+    raw.execute(f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}")
+    return prepared(
+        raw, f"UPDATE {table} SET value = value + %s::bigint WHERE id = 1 RETURNING value", [count]
+    )
 
 
 def _claim_pipelined(
@@ -915,8 +928,7 @@ def _claim_pipelined(
             with pipelined(raw):
                 raw.execute("BEGIN")
                 tokens = _take_claim_lock(connection, limit)
-                leased = raw.cursor()
-                leased.execute(sql, params)
+                leased = prepared(raw, sql, params)
                 if commit_at_once:
                     raw.execute("COMMIT")
             if tokens.fetchone() is None:
@@ -1881,10 +1893,11 @@ class Finish:
         raw = connection.connection
         ids = [_as_uuid(f.fence.run_id) for f in finishes]
         sql, params = cls._unnest_statement(finishes, connection)
-        raw.cursor().execute(guarded(sql), [*params, len(finishes)])
+        prepared(raw, guarded(sql), [*params, len(finishes)])
         assert _archive_statement is not None
         as_json = _json_text(Run._meta.get_field("result"))
-        raw.cursor().execute(
+        prepared(
+            raw,
             guarded(_archive_statement(connection) + " RETURNING 1"),
             [
                 ids,
@@ -1895,7 +1908,8 @@ class Finish:
                 len(finishes),
             ],
         )
-        raw.cursor().execute(
+        prepared(
+            raw,
             f"WITH promoted AS ({_promote_sql(connection.alias)})"
             " SELECT pg_notify(%s, %s) FROM (SELECT 1 FROM promoted LIMIT 1) any_promoted",
             [ids, wakeups.CHANNEL, "run"],
@@ -2053,7 +2067,8 @@ def lock_fences(fences: Sequence[Fence], connection: Any) -> None:
     table = connection.ops.quote_name(Run._meta.db_table)
     wanted = {(str(f.run_id), f.lease_owner, f.lease_token) for f in fences}
     ids, owners, tokens = zip(*sorted(wanted), strict=True) if wanted else ((), (), ())
-    connection.connection.cursor().execute(
+    prepared(
+        connection.connection,
         f"SELECT 1 / (count(*) = %s)::int FROM (SELECT r.id FROM {table} r"
         f" JOIN UNNEST(%s::uuid[], %s::varchar[], %s::bigint[]) AS f(id, owner, token)"
         f" ON r.id = f.id WHERE r.lease_owner = f.owner AND r.lease_token = f.token"

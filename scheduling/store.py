@@ -536,8 +536,9 @@ class _Writer(threading.Thread):
                     with runs.pipelined(raw):
                         raw.execute("BEGIN")
                         runs.lock_fences([c.fence for c in commits], connection)
-                        raw.cursor().execute(lock_sessions, [[uuid.UUID(s) for s in sessions]])
-                        raw.cursor().execute(
+                        runs.prepared(raw, lock_sessions, [[uuid.UUID(s) for s in sessions]])
+                        runs.prepared(
+                            raw,
                             move_sessions,
                             [
                                 timezone.now(),
@@ -548,7 +549,7 @@ class _Writer(threading.Thread):
                             ],
                         )
                         if rows:
-                            raw.cursor().execute(insert_events, [*_event_columns(commits), rows])
+                            runs.prepared(raw, insert_events, [*_event_columns(commits), rows])
                         grouped: dict[Any, list[Any]] = {}
                         for commit in commits:
                             if commit.transition is not None:

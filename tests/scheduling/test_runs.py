@@ -92,6 +92,26 @@ def test_a_claim_takes_runs_of_different_sessions_in_one_transaction(alice, bob,
     assert len({g.token for g in grants}) == 3
 
 
+def test_the_admission_and_the_claim_are_prepared_statements_on_postgresql(alice, make_session):
+    """Planned once per connection, then only bound and run (planning the claim costs
+    more than running it); Django turns psycopg's preparing off unless told otherwise."""
+    connection = connections["default"]
+    if connection.vendor != "postgresql":
+        pytest.skip("prepared statements are the PostgreSQL path's")
+    for _ in range(3):
+        submit(alice, make_session(alice))
+    for _ in range(2):
+        assert claim_one(reap=False) is not None
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement, generic_plans + custom_plans FROM pg_prepared_statements")
+        prepared = cursor.fetchall()
+    admissions = [n for text, n in prepared if text.startswith("WITH b AS")]
+    claims = [n for text, n in prepared if "lease_owner = $" in text]
+    assert sum(admissions) == 3 and len(admissions) == 1, prepared
+    assert sum(claims) == 2 and len(claims) == 1, prepared
+
+
 def test_a_suspended_run_keeps_its_sessions_turn(alice, make_session):
     session = make_session(alice)
     first, second = submit(alice, session), submit(alice, session)
