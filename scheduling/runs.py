@@ -735,6 +735,12 @@ def _dead_lease(clock: Clock) -> Q:
     )
 
 
+def _reapable(clock: Clock) -> Q:
+    """Runs `reap` would end or queue again: dead leases, and queued runs with a cancel
+    request (written by an older version)."""
+    return _dead_lease(clock) | Q(status=RunStatus.QUEUED, cancel_requested=True)
+
+
 def _claimable(queue: str | None, clock: Clock) -> Q:
     available = Q(
         status=RunStatus.QUEUED,
@@ -784,9 +790,14 @@ def claim(
     db = using
     work = _claimable(queue, clock)
     if reap:
-        work |= _dead_lease(clock) | Q(status=RunStatus.QUEUED, cancel_requested=True)
+        work |= _reapable(clock)
     if look_first and not Run.objects.using(db).filter(work).exists():
         return [], []
+    if reap and not Run.objects.using(db).filter(_reapable(clock)).exists():
+        # Nothing to reap (the common case): the claim goes its short way. A claim that
+        # reaps takes the long one, several round trips under the claim lock — the run a
+        # wake-up announced would wait for it.
+        reap = False
 
     def attempt() -> tuple[list[Grant], list[str]]:
         postgres = connection.vendor == "postgresql"
