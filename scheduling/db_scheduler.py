@@ -63,6 +63,11 @@ REAP_SECONDS = 1.0
 # this by the database's clock; the live workers are looked up at most every SHARE_SECONDS.
 LIVE_WORKER_SECONDS = 10.0
 SHARE_SECONDS = 1.0
+# A claim answering a `run` wake-up leaves the periodic look for dead leases and the read
+# of the live workers to the next claim (the one right after it looks for more work anyway)
+# unless they are overdue by this many periods: the run the wake-up announced should not
+# wait for them.
+PUSHED_DEFERS = 1
 
 _RELEASE_STATUS = {
     LeaseReleaseReason.COMPLETED: RunStatus.COMPLETED,
@@ -369,7 +374,7 @@ class DatabaseScheduler(SchedulerBase):
         max_active, per_tenant = self._limits(policy)
         now = time.monotonic()
         # With an injected clock (tests move time by hand) every claim reaps.
-        reap = self._clock is not None or now >= self._next_reap
+        reap = self._clock is not None or now >= self._due(self._next_reap, REAP_SECONDS)
         if reap:
             self._next_reap = now + REAP_SECONDS
         look_first, self._pushed = not self._pushed, False
@@ -409,7 +414,7 @@ class DatabaseScheduler(SchedulerBase):
         live workers are read at most every `SHARE_SECONDS`; a failed read keeps the last.
         """
         now = time.monotonic()
-        if now >= self._next_share:
+        if now >= self._due(self._next_share, SHARE_SECONDS):
             self._next_share = now + SHARE_SECONDS
             try:
                 self._live = await self._db(live_worker_slots, self.using)
@@ -419,6 +424,14 @@ class DatabaseScheduler(SchedulerBase):
         if max_active is None:
             return slots
         return fair_share(max_active, {**self._live, worker_id: slots}, worker_id)
+
+    def _due(self, next_at: float, period: float) -> float:
+        """When a periodic read planned for ``next_at`` is done: then, or a claim answering
+        a wake-up lets it wait up to `PUSHED_DEFERS` more periods (the first one is never
+        put off: ``next_at`` 0)."""
+        if self._pushed and next_at:
+            return next_at + PUSHED_DEFERS * period
+        return next_at
 
     @property
     def live_workers(self) -> int:

@@ -9,6 +9,7 @@ item's tenant.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from django.utils import timezone
 from agents.models import ManagedAgentRecord
 from sageproject.db import db_call
 from scheduling import runs
-from scheduling.db_scheduler import DatabaseScheduler, lease_fence
+from scheduling.db_scheduler import REAP_SECONDS, DatabaseScheduler, lease_fence
 from scheduling.models import Event, FenceSequence, Run, RunQueue, RunStatus, Session
 from scheduling.runs import Fence
 from scheduling.scheduler import (
@@ -242,6 +243,31 @@ async def test_only_the_claim_after_a_run_wake_up_skips_the_look_for_work(monkey
     scheduler.notify()
     await scheduler.claim_many("w", lease_duration=LEASE, limit=4)
     assert looked == [True, False, True]
+
+
+async def test_a_claim_after_a_run_wake_up_leaves_the_look_for_dead_leases_to_the_next(
+    monkeypatch,
+):
+    """The run a wake-up announced does not wait for the periodic look for dead leases (nor
+    the live workers' read): the claim after it takes it — unless it is a period overdue."""
+    reaping: list[bool] = []
+    claim = runs.claim
+
+    def recording(**kwargs: Any) -> Any:
+        reaping.append(kwargs["reap"])
+        return claim(**kwargs)
+
+    monkeypatch.setattr(runs, "claim", recording)
+    scheduler = DatabaseScheduler()
+    await scheduler.claim_many("w", lease_duration=LEASE, limit=4)  # the first one reaps
+    scheduler._next_reap = time.monotonic() - 0.5  # due half a period ago
+    scheduler.notify(pushed=True)
+    await scheduler.claim_many("w", lease_duration=LEASE, limit=4)
+    await scheduler.claim_many("w", lease_duration=LEASE, limit=4)
+    scheduler._next_reap = time.monotonic() - 1.5 * REAP_SECONDS  # overdue
+    scheduler.notify(pushed=True)
+    await scheduler.claim_many("w", lease_duration=LEASE, limit=4)
+    assert reaping == [True, False, True, True]
 
 
 def test_a_claim_that_looks_first_takes_no_lock_when_nothing_is_queued():
