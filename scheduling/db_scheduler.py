@@ -367,8 +367,7 @@ class DatabaseScheduler(SchedulerBase):
         """Claim up to ``limit`` runs in one transaction (no waiting); [] when none. A
         claim that could take every claimable run leaves the other live workers (as
         `fair_share` last read them) their part (``runs.claim``'s ``share_with``)."""
-        if self._closed:
-            raise closed_error()
+        self._check_open()
         duration = _as_timedelta(lease_duration)
         policy = policy or SchedulerClaimPolicy()
         max_active, per_tenant = self._limits(policy)

@@ -456,6 +456,11 @@ class SchedulerBase:
     def closed(self) -> bool:
         return self._closed
 
+    def _check_open(self) -> None:
+        """Raise ``scheduler.closed`` once `close()` was called."""
+        if self._closed:
+            raise closed_error()
+
     def leases(self) -> tuple[WorkerLease, ...]:
         """Live leases this scheduler handed out (in this process)."""
         return tuple(self._leases.values())
@@ -470,8 +475,7 @@ class SchedulerBase:
         Raises ``scheduler.closed`` after `close()` and ``scheduler.work_id_conflict`` when
         ``known`` is different work.
         """
-        if self._closed:
-            raise closed_error()
+        self._check_open()
         if known is not None:
             if _content(known) == _content(work):
                 return True

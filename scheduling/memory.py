@@ -30,7 +30,6 @@ from scheduling.leases import (
     WorkerLease,
     WorkItem,
     _as_timedelta,
-    closed_error,
     fair_order,
     fence_rejected_error,
     lease_expired_error,
@@ -243,8 +242,7 @@ class InMemoryScheduler(SchedulerBase):
     ) -> WorkerLease | None:
         """Reap the group's expired leases, then lease the best eligible item, if any.
         Raises ``scheduler.closed`` once closed."""
-        if self._closed:
-            raise closed_error()
+        self._check_open()
         now = self._clock()
         self._reap_group(now)
         return self._try_claim(worker_id, duration, policy, now)
@@ -562,15 +560,13 @@ class InMemoryScheduler(SchedulerBase):
         operation is not called) if the lease is stale or expired, ``scheduler.closed``
         after `close()`; exceptions of ``operation`` propagate unchanged.
         """
-        if self._closed:
-            raise closed_error()
+        self._check_open()
         run_id = lease.work.run_id
         pins = self._pins
         if not pins.try_acquire(run_id):
             await pins.acquire(run_id)
         try:
-            if self._closed:
-                raise closed_error()
+            self._check_open()
             self._admit(lease)
             return await operation()
         finally:
