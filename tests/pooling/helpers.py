@@ -8,8 +8,23 @@ from typing import Any
 
 import pytest
 
-from pooling.providers import ModelRequest, ProviderAdapter, TextDelta, get_adapter
+from pooling.providers import (
+    ModelRequest,
+    ProviderAdapter,
+    TextDelta,
+    ToolSpec,
+    close_client,
+    create_client,
+    get_adapter,
+)
 from sageproject.errors import UpstreamError
+
+# The calculator tool as a request offers it to a model.
+CALCULATOR = ToolSpec(
+    name="calculator",
+    description="Evaluate an arithmetic expression",
+    parameters={"type": "object", "properties": {"expression": {"type": "string"}}},
+)
 
 
 async def until(
@@ -49,6 +64,15 @@ def _adapter(adapter: ProviderAdapter | str) -> ProviderAdapter:
 async def collect(adapter: ProviderAdapter | str, client: Any, request: ModelRequest) -> list:
     """Every item ``adapter`` (an adapter or its protocol's name) streams for ``request``."""
     return [item async for item in _adapter(adapter).stream(client, request)]
+
+
+async def through_the_package(record: Any, request: ModelRequest) -> tuple[list, Any]:
+    """The items streamed for ``request`` through a client for ``record`` that the package's
+    ``create_client`` built and its ``close_client`` then closed, and that client."""
+    client = await create_client(record)
+    items = await collect(record.protocol, client, request)
+    await close_client(client)
+    return items, client
 
 
 async def failure(

@@ -16,21 +16,14 @@ from pooling.providers import (
     ToolCall,
     ToolCallDelta,
     ToolSpec,
-    close_client,
-    create_client,
     get_adapter,
     scripted,
 )
 from pooling.providers.scripted import ScriptedClient, tokenize
 from sageproject.errors import ErrorCategory, ValidationError
-from tests.pooling.helpers import collect, failure, text_of, texts
+from tests.pooling.helpers import CALCULATOR, collect, failure, text_of, texts, through_the_package
 from tests.pooling.upstream import HTML_502
 
-CALCULATOR = ToolSpec(
-    name="calculator",
-    description="Evaluate arithmetic",
-    parameters={"type": "object", "properties": {"expression": {"type": "string"}}},
-)
 CLOCK = ToolSpec(
     name="clock", description="Current time", parameters={"type": "object", "properties": {}}
 )
@@ -308,10 +301,8 @@ async def test_it_closes_its_client(adapter):
 
 
 async def test_it_builds_and_closes_through_the_package_helpers():
-    client = await create_client(RECORD)
-    items = await collect(
-        get_adapter("scripted"), client, ModelRequest(model="m", messages=(user("hi"),))
+    items, client = await through_the_package(
+        RECORD, ModelRequest(model="m", messages=(user("hi"),))
     )
-    await close_client(client)
     assert text_of(items) == "You said: hi"
     assert client.closed

@@ -22,13 +22,10 @@ from pooling.providers import (
     TextDelta,
     ToolCall,
     ToolCallDelta,
-    ToolSpec,
-    close_client,
-    create_client,
     get_adapter,
 )
 from sageproject.errors import ErrorCategory
-from tests.pooling.helpers import collect, failure, text_of, texts
+from tests.pooling.helpers import CALCULATOR, collect, failure, text_of, texts, through_the_package
 from tests.pooling.upstream import (  # noqa: F401  (upstream_fixture registers "upstream")
     HTML_502,
     ErrorReply,
@@ -44,12 +41,6 @@ from tests.pooling.upstream import (  # noqa: F401  (upstream_fixture registers 
 
 PROTOCOLS = ["openai", "anthropic"]
 API_KEY = "sk-test-alice-0123456789"
-CALCULATOR = ToolSpec(
-    name="calculator",
-    description="Evaluate an arithmetic expression",
-    parameters={"type": "object", "properties": {"expression": {"type": "string"}},
-                "required": ["expression"]},
-)
 HELLO = ModelRequest(model="test-model", system="Be brief.",
                      messages=({"role": "user", "content": "Say hello"},))
 
@@ -428,9 +419,8 @@ async def test_it_reports_tool_use_when_a_server_finishes_tool_calls_with_stop(u
 
 
 async def test_it_builds_and_closes_clients_through_the_package_helpers(upstream, protocol):
-    client = await create_client(make_record(upstream.base_url(protocol), protocol))
     upstream.enqueue(Reply(text="pooled"))
-    items = await collect(protocol, client, HELLO)
-    await close_client(client)
+    record = make_record(upstream.base_url(protocol), protocol)
+    items, client = await through_the_package(record, HELLO)
     assert text_of(items) == "pooled"
     assert client.is_closed()

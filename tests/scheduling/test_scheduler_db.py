@@ -192,6 +192,20 @@ async def _claim(scheduler: DatabaseScheduler, worker: str = "w", **kw: Any):
     return await scheduler.claim(worker, lease_duration=LEASE, wait_timeout=0, **kw)
 
 
+def _record_claims(monkeypatch: pytest.MonkeyPatch, keyword: str) -> list[Any]:
+    """The list into which every ``runs.claim`` call, until the test ends, puts the value of
+    its ``keyword`` argument (the call still claims)."""
+    recorded: list[Any] = []
+    claim = runs.claim
+
+    def recording(**kwargs: Any) -> Any:
+        recorded.append(kwargs[keyword])
+        return claim(**kwargs)
+
+    monkeypatch.setattr(runs, "claim", recording)
+    return recorded
+
+
 def test_it_is_reexported_lazily_by_the_scheduler_module():
     from scheduling import scheduler
 
@@ -228,14 +242,7 @@ async def test_only_the_claim_after_a_run_wake_up_skips_the_look_for_work(monkey
     """Idle polls look for work before taking the claim lock (a worker frozen inside the
     claim transaction would stall every other worker's claims); a ``run`` wake-up sends the
     next claim, and only that one, straight to its transaction."""
-    looked: list[bool] = []
-    claim = runs.claim
-
-    def recording(**kwargs: Any) -> Any:
-        looked.append(kwargs["look_first"])
-        return claim(**kwargs)
-
-    monkeypatch.setattr(runs, "claim", recording)
+    looked = _record_claims(monkeypatch, "look_first")
     scheduler = DatabaseScheduler()
     await scheduler.claim_many("w", lease_duration=LEASE, limit=4)
     scheduler.notify(pushed=True)
@@ -250,14 +257,7 @@ async def test_a_claim_after_a_run_wake_up_leaves_the_look_for_dead_leases_to_th
 ):
     """The run a wake-up announced does not wait for the periodic look for dead leases (nor
     the live workers' read): the claim after it takes it — unless it is a period overdue."""
-    reaping: list[bool] = []
-    claim = runs.claim
-
-    def recording(**kwargs: Any) -> Any:
-        reaping.append(kwargs["reap"])
-        return claim(**kwargs)
-
-    monkeypatch.setattr(runs, "claim", recording)
+    reaping = _record_claims(monkeypatch, "reap")
     scheduler = DatabaseScheduler()
     await scheduler.claim_many("w", lease_duration=LEASE, limit=4)  # the first one reaps
     scheduler._next_reap = time.monotonic() - 0.5  # due half a period ago
