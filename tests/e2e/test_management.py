@@ -113,7 +113,12 @@ def test_it_publishes_resident_applications_in_the_worker_snapshot(
             return []
         return snapshot.capacity["executor"]["management"]["resident"]
 
-    wait_for(lambda: bool(resident()), message="a snapshot listing the Application")
+    # A snapshot published while the run still executed lists it in use: wait for one
+    # published after it ended (every 3 s).
+    wait_for(
+        lambda: [r["usage"] for r in resident()] == [0],
+        message="a snapshot listing the Application, no longer in use",
+    )
     row = resident()[0]
     assert row["package"] == "demo" and row["agent"] == "assistant"
     assert row["owner"] == alice.pk and row["usage"] == 0
