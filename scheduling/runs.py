@@ -592,6 +592,16 @@ def prepared(raw: Any, sql: str, params: Sequence[Any] = ()) -> Any:
     return cursor
 
 
+def rearm_idle_timeout(raw: Any) -> None:
+    """After a pipeline that left its transaction open — only where a crash point is armed
+    before its ``COMMIT`` (tests) — one plain statement: PostgreSQL arms its idle-in-
+    transaction timeout when it waits for a statement outside a pipeline, not after one. A
+    process frozen at that crash point then has its transaction ended by the server, as a
+    process frozen inside any other transaction does, instead of holding its locks (and
+    every claim behind them) until it dies."""
+    raw.execute("SELECT 1")
+
+
 class _SecondReport(logging.Filter):
     """Drops psycopg's "error ignored terminating <Pipeline>: pipeline aborted": a statement
     of the pipeline failed and that error is already on its way to the caller (an
@@ -947,6 +957,7 @@ def _claim_pipelined(
             rows = _leased_rows(connection, leased.fetchall())
             if not commit_at_once:
                 if rows:
+                    rearm_idle_timeout(raw)
                     crash_point("claim.before_commit")
                 raw.execute("COMMIT")
         except BaseException:

@@ -560,6 +560,7 @@ class _Writer(threading.Thread):
                         if at_once:
                             raw.execute("COMMIT")
                     if not at_once:
+                        runs.rearm_idle_timeout(raw)
                         for point in points:
                             crash_point(f"{point}.before_commit")
                         raw.execute("COMMIT")
