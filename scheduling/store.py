@@ -952,14 +952,19 @@ class SessionStoreCoordinator:
         return state
 
     def _evict(self) -> None:
-        # Drop the least recently used sessions nobody is working on.
-        if len(self._states) <= self._max_open:
+        # Drop the least recently used sessions nobody is working on — looking only as far
+        # into the order as it takes to find them (usually one: this runs per new session).
+        excess = len(self._states) - self._max_open
+        if excess <= 0:
             return
-        for key in list(self._states):
-            if len(self._states) <= self._max_open:
-                return
+        victims = []
+        for key in self._states:
             if key not in self._locks:
-                del self._states[key]
+                victims.append(key)
+                if len(victims) == excess:
+                    break
+        for key in victims:
+            del self._states[key]
 
     # -- persisting -----------------------------------------------------------------
 

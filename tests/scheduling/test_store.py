@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -180,6 +181,23 @@ async def coordinator():
     coord = SessionStoreCoordinator(writers=1)
     yield coord
     await coord.close()
+
+
+async def test_it_keeps_at_most_max_open_sessions_dropping_the_least_recently_used_idle():
+    """Past ``max_open_sessions`` a newly opened session drops the least recently used one
+    nobody is working on; one held (locked) stays, however old."""
+    coord = SessionStoreCoordinator(writers=1, max_open_sessions=2)
+    ids = [str(uuid.uuid4()) for _ in range(4)]
+    try:
+        await coord.history(ids[0], known_empty=True)
+        async with coord.locked(ids[0]):
+            for session_id in ids[1:]:
+                await coord.history(session_id, known_empty=True)
+            assert list(coord._states) == [ids[0], ids[3]]
+        await coord.history(ids[1], known_empty=True)
+        assert list(coord._states) == [ids[3], ids[1]]
+    finally:
+        await coord.close()
 
 
 # -- dump_events (no database) --------------------------------------------------------
