@@ -647,8 +647,8 @@ def _admission_statements(using: str) -> tuple[str, str, str, tuple[Any, ...]]:
         f" (SELECT count(*) FROM n), {pending.user_row_sql(quote)} FROM b"
     )
     lock_sql = f"SELECT 1 FROM {session_table} WHERE id = %s AND owner_id = %s FOR UPDATE"
-    # 1 / 0 (division_by_zero) when the run is not there: the transaction aborts.
-    guard_sql = f"SELECT 1 / (SELECT count(*)::int FROM {run_table} WHERE id = %s)"
+    # Fails (the transaction aborts) unless the run is there.
+    guard_sql = guarded(f"SELECT id FROM {run_table} WHERE id = %s")
     return lock_sql, sql, guard_sql, tuple(fields)
 
 
@@ -712,7 +712,7 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool
                 prepared(raw, lock_sql, [run.session_id, run.owner_id])
                 cursor = prepared(raw, sql, params)
                 if commit:
-                    prepared(raw, guard_sql, [run.pk])
+                    prepared(raw, guard_sql, [run.pk, 1])
                     raw.execute("COMMIT")
         except Exception as exc:
             if commit:
@@ -2091,19 +2091,22 @@ def lock_fences(fences: Sequence[Fence], connection: Any) -> None:
     ids, owners, tokens = zip(*sorted(wanted), strict=True) if wanted else ((), (), ())
     prepared(
         connection.connection,
-        f"SELECT 1 / (count(*) = %s)::int FROM (SELECT r.id FROM {table} r"
-        f" JOIN UNNEST(%s::uuid[], %s::varchar[], %s::bigint[]) AS f(id, owner, token)"
-        f" ON r.id = f.id WHERE r.lease_owner = f.owner AND r.lease_token = f.token"
-        f" AND r.status = '{RunStatus.RUNNING}' AND r.lease_expires_at > STATEMENT_TIMESTAMP()"
-        f" ORDER BY r.id FOR UPDATE OF r) held",
-        [len(wanted), [_as_uuid(i) for i in ids], list(owners), list(tokens)],
+        guarded(
+            f"SELECT r.id FROM {table} r"
+            f" JOIN UNNEST(%s::uuid[], %s::varchar[], %s::bigint[]) AS f(id, owner, token)"
+            f" ON r.id = f.id WHERE r.lease_owner = f.owner AND r.lease_token = f.token"
+            f" AND r.status = '{RunStatus.RUNNING}'"
+            f" AND r.lease_expires_at > STATEMENT_TIMESTAMP() ORDER BY r.id FOR UPDATE OF r"
+        ),
+        [[_as_uuid(i) for i in ids], list(owners), list(tokens), len(wanted)],
     )
 
 
 def guarded(sql: str) -> str:
-    """``sql`` (a statement ``RETURNING`` something) as one that fails — division by zero,
-    aborting the transaction — unless it returned as many rows as its last parameter
-    says: a check that holds inside a pipeline whose ``COMMIT`` is already sent."""
+    """``sql`` (a query, or a statement ``RETURNING`` something) as one that fails —
+    division by zero, aborting the transaction — unless it returned as many rows as its
+    last parameter says: a check that holds inside a pipeline whose ``COMMIT`` is already
+    sent."""
     return f"WITH changed AS ({sql}) SELECT 1 / (count(*) = %s)::int FROM changed"
 
 
