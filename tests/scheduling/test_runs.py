@@ -112,6 +112,35 @@ def test_the_admission_and_the_claim_are_prepared_statements_on_postgresql(alice
     assert sum(claims) == 2 and len(claims) == 1, prepared
 
 
+@pytest.mark.parametrize("rearm", [False, True])
+def test_a_transaction_left_open_after_a_pipeline_is_ended_once_rearmed(rearm):
+    """What a crash point armed before a pipelined ``COMMIT`` relies on: PostgreSQL does
+    not arm its idle-in-transaction timeout after a pipeline, so a process frozen there
+    would hold its locks for good; one plain statement (`runs.rearm_idle_timeout`) arms it,
+    and the server ends the transaction."""
+    import psycopg
+
+    if connections["default"].vendor != "postgresql":
+        pytest.skip("libpq's pipeline mode is the PostgreSQL path's")
+    params = connections["default"].get_connection_params()
+    for key in ("cursor_factory", "context", "server_side_binding"):
+        params.pop(key, None)
+    with psycopg.connect(**params, autocommit=True) as raw:
+        with runs.pipelined(raw):
+            raw.execute("BEGIN")
+            raw.execute("SET LOCAL idle_in_transaction_session_timeout = 300")
+            raw.execute("SELECT 1")
+        if rearm:
+            runs.rearm_idle_timeout(raw)
+        time.sleep(0.8)
+        if rearm:
+            with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
+                raw.execute("SELECT 1")
+        else:
+            raw.execute("SELECT 1")  # still open: nothing ended it
+            raw.execute("ROLLBACK")
+
+
 def test_a_suspended_run_keeps_its_sessions_turn(alice, make_session):
     session = make_session(alice)
     first, second = submit(alice, session), submit(alice, session)
