@@ -595,7 +595,8 @@ def prepared(raw: Any, sql: str, params: Sequence[Any] = ()) -> Any:
 def rearm_idle_timeout(raw: Any) -> None:
     """After a pipeline that left its transaction open — only where a crash point is armed
     before its ``COMMIT`` (tests) — one plain statement: PostgreSQL arms its idle-in-
-    transaction timeout when it waits for a statement outside a pipeline, not after one. A
+    transaction timeout when it waits for a statement outside a pipeline, not reliably
+    after one. A
     process frozen at that crash point then has its transaction ended by the server, as a
     process frozen inside any other transaction does, instead of holding its locks (and
     every claim behind them) until it dies."""

@@ -514,7 +514,7 @@ class _Writer(threading.Thread):
         fence, every count, every row written: `runs.guarded`), which aborts the
         transaction and skips the ``COMMIT``. The transaction never waits on this process:
         a worker cut off mid-commit leaves no transaction holding its runs' locks (after a
-        pipeline, PostgreSQL's idle-in-transaction timeout is not armed again).
+        pipeline, PostgreSQL does not reliably arm its idle-in-transaction timeout again).
 
         Returns the outcomes: all None, or all the same failure when the connection was lost
         with the ``COMMIT`` sent (whether it landed is unknown, as with any lost ``COMMIT``);
