@@ -5,14 +5,17 @@ query: one more round trip for every request and every worker database call, eac
 of the server on a busy host. The check here keeps what it is for (after a database restart
 no caller gets a dead connection) and pays the round trip only when it can matter:
 
-- a connection given back less than ``RECHECK_AFTER`` seconds ago, whose socket has nothing
-  to read, is handed out as it is. A server that restarted or ended the backend has written
+- a connection handed out less than ``RECHECK_AFTER`` seconds ago (so in use, or given
+  back, within that time), whose socket has nothing to read, is handed out as it is. A server that restarted or ended the backend has written
   its goodbye (``FATAL: terminating connection``) or closed the socket: either makes the
   socket readable, so the full check runs and the pool drops the connection;
-- any other connection (idle longer, readable, never returned) gets the full check.
+- any other connection (idle longer, readable, never handed out) gets the full check.
 
-This is pgbouncer's ``server_check_delay`` with a look at the socket added. No Django here:
-the settings module installs it (``OPTIONS["pool"]`` ``check`` and ``reset``).
+This is pgbouncer's ``server_check_delay`` with a look at the socket added. The time kept
+is the last hand-out, not the last give-back: a ``reset`` callback (the pool's only hook on
+give-back) makes the pool return every connection through its worker thread, a thread
+hand-off per request. No Django here: the settings module installs it (``OPTIONS["pool"]``
+``check``).
 """
 
 from __future__ import annotations
@@ -22,25 +25,21 @@ import time
 import weakref
 from typing import Any
 
-# Seconds a given-back connection is trusted without a query when its socket is quiet.
+# Seconds a connection handed out is trusted without a query when its socket is quiet.
 RECHECK_AFTER = 5.0
 
-_given_back: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
-
-
-def given_back(conn: Any) -> None:
-    """The pool's ``reset`` callback: notes when the connection came back."""
-    _given_back[conn] = time.monotonic()
+_handed_out: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
 
 def check(conn: Any) -> None:
     """The pool's ``check`` callback: raises when the connection is not usable."""
     from psycopg_pool import ConnectionPool
 
-    since = _given_back.pop(conn, None)
-    if since is not None and time.monotonic() - since < RECHECK_AFTER and _quiet(conn):
-        return
-    ConnectionPool.check_connection(conn)
+    now = time.monotonic()
+    since = _handed_out.get(conn)
+    if since is None or now - since >= RECHECK_AFTER or not _quiet(conn):
+        ConnectionPool.check_connection(conn)
+    _handed_out[conn] = now
 
 
 def _quiet(conn: Any) -> bool:

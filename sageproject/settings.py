@@ -103,7 +103,6 @@ if os.environ.get("SAGE_TEST_DB_NAME") and "sqlite" not in DATABASES["default"][
 if isinstance(_pool := DATABASES["default"].get("OPTIONS", {}).get("pool"), dict):
     # The pool's health check without a round trip per checkout (sageproject.pgpool).
     _pool.setdefault("check", pgpool.check)
-    _pool.setdefault("reset", pgpool.given_back)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -1,5 +1,5 @@
 """The PostgreSQL pool's health check (sageproject.pgpool): no round trip for a connection
-given back moments ago, and still no dead connection handed out after the server ended it."""
+handed out moments ago, and still no dead connection handed out after the server ended it."""
 
 from __future__ import annotations
 
@@ -42,26 +42,33 @@ def terminate(conn) -> None:
         cursor.execute("SELECT pg_terminate_backend(%s)", [conn.info.backend_pid])
 
 
-def test_a_connection_given_back_moments_ago_is_handed_out_without_a_query(
+def test_a_connection_handed_out_moments_ago_is_handed_out_again_without_a_query(
     raw_connection, full_checks
 ):
-    pgpool.given_back(raw_connection)
+    pgpool.check(raw_connection)  # never handed out: checked
     pgpool.check(raw_connection)
-    assert full_checks == []
+    pgpool.check(raw_connection)
+    assert full_checks == [raw_connection]
 
 
-def test_a_connection_never_given_back_or_idle_long_is_checked(
-    raw_connection, full_checks, monkeypatch
-):
-    pgpool.check(raw_connection)  # never given back
+def test_a_connection_idle_long_is_checked(raw_connection, full_checks, monkeypatch):
+    pgpool.check(raw_connection)  # never handed out
     monkeypatch.setattr(pgpool, "RECHECK_AFTER", 0.0)
-    pgpool.given_back(raw_connection)
-    pgpool.check(raw_connection)  # idle longer than RECHECK_AFTER
+    pgpool.check(raw_connection)  # handed out longer than RECHECK_AFTER ago
     assert full_checks == [raw_connection, raw_connection]
 
 
+def test_the_pool_gives_connections_back_without_its_worker_thread():
+    """No ``reset`` callback: with one, psycopg_pool returns every connection through a
+    task of its worker thread — a thread hand-off for every request."""
+    if connection.vendor != "postgresql" or connection.pool is None:
+        pytest.skip("the pool is PostgreSQL's")
+    assert connection.pool._reset is None
+    assert connection.pool._check is pgpool.check
+
+
 def test_a_connection_the_server_ended_is_refused_at_once(raw_connection):
-    pgpool.given_back(raw_connection)
+    pgpool.check(raw_connection)  # handed out just now
     terminate(raw_connection)
     for _ in range(100):  # the server's goodbye reaches the socket within moments
         if not pgpool._quiet(raw_connection):
@@ -77,7 +84,7 @@ def test_the_orm_never_gets_a_connection_the_server_ended(raw_connection):
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_backend_pid()")
         first = cursor.fetchone()[0]
-    connection.close()  # back to the pool: given back just now
+    connection.close()  # back to the pool: handed out just now
     raw_connection.execute("SELECT pg_terminate_backend(%s)", [first])
     time.sleep(0.2)
     with connection.cursor() as cursor:
