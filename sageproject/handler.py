@@ -24,6 +24,7 @@ import gc
 import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -59,6 +60,9 @@ class ThreadedASGIHandler(ASGIHandler):
         self.load_middleware(is_async=False)
         self.threads = request_threads()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="sage-web")
+        from sageproject.express import Express  # it needs the apps loaded
+
+        self.express = Express.configured()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """As Django's, without a ``ThreadSensitiveContext`` per request: that context
@@ -88,16 +92,51 @@ class ThreadedASGIHandler(ASGIHandler):
             close_old_connections()
 
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """Django's, with the body bounded (see the module text)."""
+        """Django's, with the body bounded (see the module text), and a request the
+        express lane takes answered there (`sageproject.express`)."""
         limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
         declared = _content_length(scope)
         if limit is not None and declared is not None and declared > limit:
             await self._too_large(send)  # unread: a client that sent Expect waits no more
             return
         try:
+            route = self.express.route(scope) if self.express is not None else None
+            if route is not None:
+                receive = await self._express(route, scope, receive, send)
+                if receive is None:
+                    return
             await super().handle(scope, receive, send)
         except _BodyTooLarge:
             await self._too_large(send)
+
+    async def _express(self, route: Any, scope: dict[str, Any], receive: Any, send: Any) -> Any:
+        """Answer the request on the express lane; None when answered, else what the full
+        stack reads the request (the body already read) from."""
+        try:
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return None
+        with closing(body_file):
+            request, _error = self.create_request(scope, body_file)
+            if request is not None:
+                response = await sync_to_async(
+                    self.express.answer, thread_sensitive=False, executor=self._pool
+                )(route, request)
+                if response is not None:
+                    await self.send_response(response, send)
+                    return None
+            body_file.seek(0)
+            body = body_file.read()
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return replay
 
     async def read_body(self, receive: Any) -> Any:
         """As Django's, refusing (``_BodyTooLarge``) a body that grows past the limit

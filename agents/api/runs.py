@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.http import HttpRequest
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
     OpenApiParameter,
@@ -20,6 +21,7 @@ from agents import services
 from agents.api.permissions import READ_PERMISSIONS
 from sageproject.api import ErrorEnvelopeSerializer, StrictFieldsMixin
 from sageproject.parsers import (
+    parse_json,
     query_choice,
     query_uuid,
 )
@@ -106,6 +108,38 @@ class RunSerializer(serializers.ModelSerializer):
 _TIMESTAMP = serializers.DateTimeField()
 
 
+def submit_run(user: Any, body: Any, key: str | None) -> Response:
+    """A submission: ``body`` validated (`RunSubmitSerializer`), the run admitted
+    (``services.run_submit``), the answer 202 with the run — 200 for a repeated
+    ``Idempotency-Key``, which answers the run it made first. Raises what the API's
+    exception handler turns into its envelope."""
+    data = RunSubmitSerializer(data=body)
+    data.is_valid(raise_exception=True)
+    key = key or None
+    if key is not None and len(key) > 200:
+        raise serializers.ValidationError({"Idempotency-Key": ["at most 200 characters"]})
+    run, created = services.run_submit(
+        owner=user,
+        session_id=data.validated_data["session"],
+        input=data.validated_data["input"],
+        idempotency_key=key,
+        priority=data.validated_data["priority"],
+        multitask=data.validated_data["multitask"],
+    )
+    if not created:  # a repeated key answers an existing run, perhaps finished: a read
+        services.check_read_permission(user)
+    code = status.HTTP_202_ACCEPTED if created else status.HTTP_200_OK
+    return Response(RunSerializer(run).data, status=code)
+
+
+def submit(request: HttpRequest, user: Any) -> Response:
+    """``POST /api/v1/runs/`` on the web process's express lane (`sageproject.express`):
+    the body parsed as the API's JSON parser parses it (an empty one is no fields, as DRF
+    reads it), then `submit_run` as the view does."""
+    body = parse_json(request.body) if request.body else {}
+    return submit_run(user, body, request.headers.get("Idempotency-Key"))
+
+
 class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Runs: submit (202, or 429 when the host's queue is full), read, cancel."""
 
@@ -150,23 +184,7 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         },
     )
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        data = RunSubmitSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        key = request.headers.get("Idempotency-Key") or None
-        if key is not None and len(key) > 200:
-            raise serializers.ValidationError({"Idempotency-Key": ["at most 200 characters"]})
-        run, created = services.run_submit(
-            owner=request.user,
-            session_id=data.validated_data["session"],
-            input=data.validated_data["input"],
-            idempotency_key=key,
-            priority=data.validated_data["priority"],
-            multitask=data.validated_data["multitask"],
-        )
-        if not created:  # a repeated key answers an existing run, perhaps finished: a read
-            services.check_read_permission(request.user)
-        code = status.HTTP_202_ACCEPTED if created else status.HTTP_200_OK
-        return Response(RunSerializer(run).data, status=code)
+        return submit_run(request.user, request.data, request.headers.get("Idempotency-Key"))
 
     @extend_schema(request=None, responses={202: RunSerializer})
     @action(detail=True, methods=["post"])

@@ -1,6 +1,7 @@
 """The web process's ASGI handler (`sageproject.handler`): a request's middleware and view
-run on a pool thread, several requests of one process at once, and the session event
-stream is still sent from the event loop."""
+run on a pool thread, several requests of one process at once, the session event stream is
+still sent from the event loop, and the express lane (`sageproject.express`) answers a run
+submission exactly as the full stack does."""
 
 from __future__ import annotations
 
@@ -20,7 +21,17 @@ from scheduling.models import Run
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def _scope(method: str, path: str, token: str, query: str, length: int) -> dict[str, Any]:
+def _scope(
+    method: str,
+    path: str,
+    token: str | None,
+    query: str,
+    length: int,
+    headers: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    given = {"host": "127.0.0.1", "content-type": "application/json", **(headers or {})}
+    if token is not None:
+        given.setdefault("authorization", f"Token {token}")
     return {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -31,24 +42,33 @@ def _scope(method: str, path: str, token: str, query: str, length: int) -> dict[
         "raw_path": path.encode(),
         "query_string": query.encode(),
         "root_path": "",
-        "headers": [
-            (b"host", b"127.0.0.1"),
-            (b"authorization", f"Token {token}".encode()),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(length).encode()),
-        ],
+        "headers": [(b"content-length", str(length).encode())]
+        + [(name.encode(), value.encode()) for name, value in given.items()],
         "client": ("127.0.0.1", 50000),
         "server": ("127.0.0.1", 8000),
     }
 
 
 async def _request(
-    handler: ThreadedASGIHandler, method: str, path: str, token: str, body: Any = None, query=""
+    handler: ThreadedASGIHandler,
+    method: str,
+    path: str,
+    token: str | None,
+    body: Any = None,
+    query="",
+    headers: dict[str, str] | None = None,
+    answer: list[Any] | None = None,
 ) -> tuple[int, bytes]:
-    data = json.dumps(body).encode() if body is not None else b""
-    app = ApplicationCommunicator(handler, _scope(method, path, token, query, len(data)))
+    """Status and body; ``answer`` (when given) also receives the response headers."""
+    if body is None or isinstance(body, bytes):
+        data = body or b""
+    else:
+        data = json.dumps(body).encode()
+    app = ApplicationCommunicator(handler, _scope(method, path, token, query, len(data), headers))
     await app.send_input({"type": "http.request", "body": data, "more_body": False})
     start = await app.receive_output(timeout=10)
+    if answer is not None:
+        answer.extend(start["headers"])
     chunks = []
     while True:
         message = await app.receive_output(timeout=10)
@@ -67,6 +87,7 @@ async def test_a_request_is_served_on_a_pool_thread_through_the_whole_chain(alic
     session = await sync_to_async(make_session)(alice)
     token = await _token(alice)
     handler = ThreadedASGIHandler()
+    handler.express = None  # the submission would take the express lane
     seen: list[str] = []
     respond = handler.get_response
 
@@ -123,3 +144,163 @@ async def test_another_users_session_answers_404_in_the_envelope(alice, bob, mak
     )
     assert status == 404
     assert json.loads(body)["error"]["code"]
+
+
+# Express lane: each case as (body, headers, caller), where the body's "SESSION" is replaced
+# by a fresh session of alice's (of bob's for "others"), and caller is alice, a wrong token
+# or no token. Answered by the lane or sent the long way, the answer must be the same.
+EXPRESS_CASES = {
+    "submitted": ({"session": "SESSION", "input": "hi"}, {}, "alice"),
+    "lowered priority": ({"session": "SESSION", "input": "hi", "priority": -5}, {}, "alice"),
+    "unknown field": ({"session": "SESSION", "input": "hi", "bogus": 1}, {}, "alice"),
+    "malformed": (b'{"session": ', {}, "alice"),
+    "nul byte": ({"session": "SESSION", "input": "a\u0000b"}, {}, "alice"),
+    "wrong type": ({"session": "SESSION", "input": "hi", "priority": "high"}, {}, "alice"),
+    "not an object": (b"[]", {}, "alice"),
+    "empty body": (b"", {}, "alice"),
+    "deep": (b"[" * 5000 + b"]" * 5000, {}, "alice"),
+    "another user's session": ({"session": "OTHERS", "input": "hi"}, {}, "alice"),
+    "priority for staff only": ({"session": "SESSION", "input": "hi", "priority": 5}, {}, "alice"),
+    "key too long": (
+        {"session": "SESSION", "input": "hi"},
+        {"idempotency-key": "k" * 201},
+        "alice",
+    ),
+    "charset": (
+        {"session": "SESSION", "input": "hi"},
+        {"content-type": "application/json; charset=utf-8"},
+        "alice",
+    ),
+    "wrong token": ({"session": "SESSION", "input": "hi"}, {}, "wrong"),
+    "no token": ({"session": "SESSION", "input": "hi"}, {}, None),
+    "html only": ({"session": "SESSION", "input": "hi"}, {"accept": "text/html"}, "alice"),
+    "form": (b"session=x", {"content-type": "application/x-www-form-urlencoded"}, "alice"),
+    "bad host": ({"session": "SESSION", "input": "hi"}, {"host": "evil.example"}, "alice"),
+}
+# Cases the lane answers itself (the others it sends the long way).
+EXPRESS_TAKES = {
+    "submitted",
+    "lowered priority",
+    "unknown field",
+    "malformed",
+    "nul byte",
+    "wrong type",
+    "not an object",
+    "empty body",
+    "deep",
+    "another user's session",
+    "priority for staff only",
+    "key too long",
+    "charset",
+}
+
+
+def _comparable(status: int, headers: list[Any], body: bytes) -> tuple[Any, ...]:
+    """What must match: status, headers (the length aside: ids differ) and the body with
+    the run's own values masked."""
+    named = sorted(
+        (n.decode().lower(), v.decode()) for n, v in headers if n.lower() != b"content-length"
+    )
+    data = json.loads(body) if body else None
+    if isinstance(data, dict) and "id" in data:
+        data = {k: "…" if k in {"id", "session", "created_at"} else v for k, v in data.items()}
+    return status, named, data
+
+
+async def _express_case(handler, name, alice, bob, make_session) -> tuple[Any, ...]:
+    body, headers, caller = EXPRESS_CASES[name]
+    mine = await sync_to_async(make_session)(alice)
+    others = await sync_to_async(make_session)(bob)
+    if isinstance(body, dict):
+        body = json.dumps(body).replace("SESSION", str(mine.pk)).replace("OTHERS", str(others.pk))
+        body = body.encode()
+    token = {"alice": await _token(alice), "wrong": "0" * 40, None: None}[caller]
+    answer: list[Any] = []
+    status, content = await _request(
+        handler, "POST", "/api/v1/runs/", token, body, headers=headers, answer=answer
+    )
+    return _comparable(status, answer, content)
+
+
+@pytest.mark.parametrize("name", sorted(EXPRESS_CASES))
+async def test_the_express_lane_answers_as_the_full_stack_does(name, alice, bob, make_session):
+    lane = ThreadedASGIHandler()
+    assert lane.express is not None
+    answered: list[bool] = []
+    answer = lane.express.answer
+
+    def recording(route, request):
+        response = answer(route, request)
+        answered.append(response is not None)
+        return response
+
+    lane.express.answer = recording
+    full = ThreadedASGIHandler()
+    full.express = None
+    expected = await _express_case(full, name, alice, bob, make_session)
+    got = await _express_case(lane, name, alice, bob, make_session)
+    assert got == expected
+    assert any(answered) == (name in EXPRESS_TAKES)
+
+
+async def test_the_express_lane_admits_without_the_middleware_chain_and_drf(alice, make_session):
+    session = await sync_to_async(make_session)(alice)
+    handler = ThreadedASGIHandler()
+    handler.get_response = None  # the full stack would fail
+    status, body = await _request(
+        handler,
+        "POST",
+        "/api/v1/runs/",
+        await _token(alice),
+        {"session": str(session.pk), "input": "hi"},
+    )
+    assert status == 202, body
+    run = await Run.objects.aget(session_id=session.pk)
+    assert json.loads(body)["id"] == str(run.pk)
+
+
+async def test_a_repeated_idempotency_key_answers_the_same_run_on_the_lane(alice, make_session):
+    session = await sync_to_async(make_session)(alice)
+    handler = ThreadedASGIHandler()
+    token = await _token(alice)
+    body = {"session": str(session.pk), "input": "hi"}
+    first = await _request(
+        handler, "POST", "/api/v1/runs/", token, body, headers={"idempotency-key": "k1"}
+    )
+    again = await _request(
+        handler, "POST", "/api/v1/runs/", token, body, headers={"idempotency-key": "k1"}
+    )
+    assert (first[0], again[0]) == (202, 200)
+    assert json.loads(first[1])["id"] == json.loads(again[1])["id"]
+    assert await Run.objects.filter(session_id=session.pk).acount() == 1
+
+
+async def test_a_full_queue_answers_429_on_the_lane_as_on_the_full_stack(
+    alice, make_session, settings
+):
+    settings.SAGE = {**settings.SAGE, "SAGE_SERVER_MAX_PENDING_RUNS": 1}
+    token = await _token(alice)
+    lane = ThreadedASGIHandler()
+    full = ThreadedASGIHandler()
+    full.express = None
+    answers = []
+    for handler in (lane, lane, full):
+        session = await sync_to_async(make_session)(alice)
+        headers: list[Any] = []
+        body = {"session": str(session.pk), "input": "hi"}
+        status, content = await _request(
+            handler, "POST", "/api/v1/runs/", token, body, answer=headers
+        )
+        answers.append(_comparable(status, headers, content))
+    assert [status for status, _, _ in answers] == [202, 429, 429]
+    assert answers[1] == answers[2]
+    assert "retry-after" in dict(answers[1][1])
+    assert await Run.objects.acount() == 1
+
+
+def test_the_express_lane_is_off_with_a_middleware_it_does_not_know(settings):
+    from sageproject.express import Express
+
+    assert Express.configured() is not None
+    settings.MIDDLEWARE = [*settings.MIDDLEWARE, "example.middleware.Unknown"]
+    assert Express.configured() is None
