@@ -67,9 +67,7 @@ HTTP_KEYS = (
         "sessions_reused",
         "drain_s",
         "web_workers",
-        "worker_running",
-        "target_req_per_s",
-        "target_p99_ms",
+        "worker",
     }
 )
 TOKEN_KEYS = (
@@ -171,6 +169,7 @@ def test_host_paths_without_peers() -> None:
         "throughput",
         "latency",
         "http_admission",
+        "http_admission_with_worker",
         "token_to_sse",
         "event_to_sse",
     ]
@@ -183,11 +182,14 @@ def test_host_paths_without_peers() -> None:
     by_path = {line["path"]: line for line in lines}
     check_host_lines(by_path)
 
-    http = by_path["http_admission"]
-    assert HTTP_KEYS <= http.keys()
-    assert http["clients"] == 3 and http["requests"] > 0
-    assert sum(http["status"].values()) == http["requests"]
-    assert set(http["status"]) <= {"202", "429"}
+    for path, worker in (("http_admission", "paused"), ("http_admission_with_worker", "running")):
+        http = by_path[path]
+        assert HTTP_KEYS <= http.keys()
+        assert http["worker"] == worker
+        assert http["clients"] == 3 and http["requests"] > 0
+        assert sum(http["status"].values()) == http["requests"]
+        assert set(http["status"]) <= {"202", "429"}
+    assert {"target_req_per_s", "target_p99_ms"} <= by_path["http_admission"].keys()
 
     # Live deltas are best effort (a slow client loses some, counted): at least one arrives.
     tokens = by_path["token_to_sse"]

@@ -21,8 +21,8 @@ on stderr only when it is a terminal):
   ``Run.started_at`` minus that time (p50 target ≤ 3 ms, p99 ≤ 5 ms). ``started_at`` is set by
   the claim from the database's clock; the database runs on this machine, so both are this
   machine's wall clock (on SQLite ``started_at`` has millisecond resolution).
-- ``http_admission``: the web process as production starts it (``uvicorn
-  sageproject.asgi:application --workers 2`` on 127.0.0.1, the worker running), and
+- ``http_admission``: the web processes as production starts them (``manage.py runweb
+  --workers 2`` on 127.0.0.1: uvicorn, a listening socket per process), the worker running, and
   ``--http-clients`` (default 50) concurrent clients (one process; each a keep-alive
   connection of a minimal HTTP/1.1 client, `KeepAliveClient`) POSTing
   ``/api/v1/runs/`` with API tokens for ``--http-seconds`` (default 10): requests/s, p50/p99,
@@ -1396,12 +1396,49 @@ class Command(BaseCommand):
     ) -> None:
         from rest_framework.authtoken.models import Token
 
-        from scheduling.models import UNFINISHED_STATUSES, Run
-
         base, server = web
         children = [worker, server]
         self._children = children
         tokens = [Token.objects.get_or_create(user=user)[0].key for user, _ in owners]
+        # Admission alone (the worker paused: on this machine kind executing 500 runs/s
+        # takes both CPUs by itself, see the throughput path), then with the worker
+        # executing what is admitted as it arrives.
+        for paused in (True, False):
+            line = self._admission_window(options, host, owners, tokens, base, children, paused)
+            path = "http_admission" if paused else "http_admission_with_worker"
+            targets = TARGETS["http_admission"] if paused else {}
+            self._emit({**line, "path": path, **common, **targets})
+
+        user, _ = owners[0]
+        live = self._live_model(options, user, worker.log.parent)
+        progress(f"token_to_sse and event_to_sse: {options['sse_n']} runs")
+        # The first round opens each web process's live channel; it is not measured.
+        warm = live.prepare(min(SSE_CONCURRENCY, options["sse_n"]), "sse-warmup")
+        asyncio.run(sse_samples(base, tokens[0], user, [s for _, s in warm.handles], 120))
+        batch = live.prepare(options["sse_n"], "sse")
+        settle_collector()
+        samples = asyncio.run(
+            sse_samples(base, tokens[0], user, [s for _, s in batch.handles], options["timeout"])
+        )
+        connections.close_all()
+        for line in sse_lines(samples, options["sse_tokens"], options["sse_token_gap_ms"]):
+            self._emit({**line, **common})
+
+    def _admission_window(
+        self,
+        options: dict[str, Any],
+        host: HostTarget,
+        owners: list[tuple[Any, Any]],
+        tokens: list[str],
+        base: str,
+        children: list[Child],
+        paused: bool,
+    ) -> dict[str, Any]:
+        """One ``http_admission`` window into fresh sessions, the worker paused (SIGSTOP,
+        holding no run) or running; then the admitted runs drained."""
+        from scheduling.models import UNFINISHED_STATUSES, Run
+
+        worker, server = children
         clients = options["http_clients"]
         per_client = max(20, int(options["http_seconds"] * 15))
         # Client c posts as owner c mod users, into fresh sessions of that owner.
@@ -1416,8 +1453,15 @@ class Command(BaseCommand):
             mine = by_owner[owners[owner_index][0].pk][peers_of_c.index(c) :: len(peers_of_c)]
             plan.append((tokens[owner_index], mine))
         tidy_tables()
-        progress(f"http_admission: {clients} clients for {options['http_seconds']} s")
-        line = asyncio.run(http_admission(base, plan, options["http_seconds"]))
+        state = "paused" if paused else "running"
+        progress(f"http_admission: {clients} clients, {options['http_seconds']} s, worker {state}")
+        if paused:
+            os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            line = asyncio.run(http_admission(base, plan, options["http_seconds"]))
+        finally:
+            if paused:
+                os.kill(worker.pid, signal.SIGCONT)
         check_running(server)
         progress("waiting for the worker to drain the admitted runs")
         began = time.perf_counter()
@@ -1434,23 +1478,8 @@ class Command(BaseCommand):
         )
         line["drain_s"] = round(time.perf_counter() - began, 3)
         line["web_workers"] = options["web_workers"]
-        line["worker_running"] = True
-        self._emit({**line, **common, **TARGETS["http_admission"]})
-
-        user, _ = owners[0]
-        live = self._live_model(options, user, worker.log.parent)
-        progress(f"token_to_sse and event_to_sse: {options['sse_n']} runs")
-        # The first round opens each web process's live channel; it is not measured.
-        warm = live.prepare(min(SSE_CONCURRENCY, options["sse_n"]), "sse-warmup")
-        asyncio.run(sse_samples(base, tokens[0], user, [s for _, s in warm.handles], 120))
-        batch = live.prepare(options["sse_n"], "sse")
-        settle_collector()
-        samples = asyncio.run(
-            sse_samples(base, tokens[0], user, [s for _, s in batch.handles], options["timeout"])
-        )
-        connections.close_all()
-        for line in sse_lines(samples, options["sse_tokens"], options["sse_token_gap_ms"]):
-            self._emit({**line, **common})
+        line["worker"] = state
+        return line
 
     def _live_model(self, options: dict[str, Any], user: Any, logs: Path) -> HostTarget:
         """The ``bench-live`` model (benchpeers.model_server) and a package whose agent uses
@@ -1507,18 +1536,14 @@ class Command(BaseCommand):
         port = free_port()
         argv = [
             sys.executable,
-            "-m",
-            "uvicorn",
-            "sageproject.asgi:application",
+            str(ROOT / "manage.py"),
+            "runweb",
             "--host",
             "127.0.0.1",
             "--port",
             str(port),
             "--workers",
             str(options["web_workers"]),
-            "--no-access-log",
-            "--lifespan",
-            "off",
             "--log-level",
             "warning",
         ]

@@ -1,0 +1,112 @@
+"""``manage.py runweb``: several web processes on one port, each with its own listening
+socket (``SO_REUSEPORT``); one that dies is started again; SIGTERM stops them all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from django.conf import settings
+
+from sageproject import webserver
+from tests.pgcluster import free_port
+
+
+def _children(parent: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == parent and b"sageproject.webserver" in cmdline:
+            found.add(int(entry.name))
+    return found
+
+
+def _wait(condition, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
+
+
+def test_several_processes_serve_one_port_and_one_that_dies_is_replaced() -> None:
+    port = free_port()
+    argv = [sys.executable, "manage.py", "runweb", "--workers", "2", "--port", str(port)]
+    web = subprocess.Popen(
+        [*argv, "--log-level", "warning"],
+        cwd=settings.BASE_DIR,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        first = _wait(
+            lambda: len(now := _children(web.pid)) == 2 and now, 30, "the 2 web processes"
+        )
+        _wait(lambda: _healthy(port), 60, "the web processes to answer")
+        # Each process has a listening socket of its own on the port.
+        for pid in first:
+            sockets = {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+            assert any(s.startswith("socket:") for s in sockets)
+        # One killed after its start-up is replaced; the port keeps answering.
+        time.sleep(max(0.0, webserver.EARLY_EXIT + 0.5))
+        victim = sorted(first)[0]
+        os.kill(victim, signal.SIGKILL)
+        replaced = _wait(
+            lambda: len(now := _children(web.pid)) == 2 and victim not in now and now,
+            30,
+            "a replacement process",
+        )
+        assert len(replaced & first) == 1
+        _wait(lambda: _healthy(port), 60, "the replacement to answer")
+        web.send_signal(signal.SIGTERM)
+        assert web.wait(60) == 0
+        assert _children(web.pid) == set()
+        output = web.stdout.read()
+        assert f"web: 2 processes on 127.0.0.1:{port}" in output
+        assert f"process {victim} exited with -9; starting another" in output
+    finally:
+        if web.poll() is None:
+            web.kill()
+            web.wait()
+
+
+def test_a_process_that_cannot_start_stops_the_command() -> None:
+    port = free_port()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", port))  # no SO_REUSEPORT: nobody may join the port
+    taken.listen(1)
+    try:
+        result = subprocess.run(
+            [sys.executable, "manage.py", "runweb", "--workers", "2", "--port", str(port)],
+            cwd=settings.BASE_DIR,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        taken.close()
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
