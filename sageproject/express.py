@@ -46,20 +46,10 @@ from sageproject.authentication import TokenAuthentication
 
 logger = logging.getLogger("django.request")
 
-# Middleware that gives a token-authenticated JSON POST to the API nothing the lane must
-# reproduce beyond what `Express` does (see the module text); anything else turns it off.
-KNOWN_MIDDLEWARE = {
-    "django.middleware.security.SecurityMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
-}
-# Of those, the ones that look at such a request before the view (a redirect or a refusal
-# sends it the long way) and the ones that add headers to its response, in MIDDLEWARE order.
+# The middleware the lane knows, by what it does to a token-authenticated JSON POST to the
+# API: looks at it before the view (a redirect or a refusal sends it the long way), adds
+# headers to its response (applied here, in MIDDLEWARE order), or nothing at all (see the
+# module text). Any other middleware turns the lane off.
 REQUEST_CHECKS = {
     "django.middleware.security.SecurityMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -68,6 +58,14 @@ RESPONSE_HEADERS = {
     "django.middleware.security.SecurityMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 }
+NOTHING_TO_DO = {
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+}
+KNOWN_MIDDLEWARE = REQUEST_CHECKS | RESPONSE_HEADERS | NOTHING_TO_DO
 ACCEPTS = {b"", b"*/*", b"application/json"}
 
 # A route: the request and its authenticated user in, the answer (a DRF ``Response``, to be
