@@ -18,7 +18,7 @@ from rest_framework.authtoken.models import Token
 from sageproject.handler import ThreadedASGIHandler
 from scheduling.models import Run
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
 
 def _scope(
