@@ -487,6 +487,23 @@ class JobRuntimeBase(ABC):
         self, job_id: str, *, force: bool = False, reason: str = "cancelled"
     ) -> JobSnapshot: ...
 
+    @abstractmethod
+    async def list_jobs(self, run_id: str) -> list[JobSnapshot]: ...
+
+    async def handle_run_pause(self, run_id: str) -> tuple[JobSnapshot, ...]:
+        """Apply each job's pause behaviour: ``cancel`` jobs still active are killed
+        (reason "run paused"), ``continue`` and ``detach`` jobs go on. Returns the
+        snapshots of all the run's jobs afterwards."""
+        jobs = await self.list_jobs(run_id)
+        await asyncio.gather(
+            *(
+                self.cancel(job.job_id, reason="run paused")
+                for job in jobs
+                if job.pause_behavior is JobPauseBehavior.CANCEL and job.state in ACTIVE_STATES
+            )
+        )
+        return tuple(await self.list_jobs(run_id))
+
     async def _cancel_all(self, job_ids: list[str], *, reason: str) -> None:
         """Cancel every job of ``job_ids`` at once; a failure is logged, never raised."""
         results = await asyncio.gather(

@@ -43,7 +43,6 @@ from agents.jobs.base import (
     JobEventCallback,
     JobHandle,
     JobOutputChunk,
-    JobPauseBehavior,
     JobRuntimeBase,
     JobSnapshot,
     JobSpec,
@@ -315,18 +314,6 @@ class CeleryJobRuntime(JobRuntimeBase):
                 waiters.remove(future)
                 if not waiters:
                     del self._waiters[job_id]
-
-    async def handle_run_pause(self, run_id: str) -> tuple[JobSnapshot, ...]:
-        """Kill the run's ``cancel`` jobs; ``continue``/``detach`` go on. Returns all snapshots."""
-        jobs = await self.list_jobs(run_id)
-        await asyncio.gather(
-            *(
-                self.cancel(j.job_id, reason="run paused")
-                for j in jobs
-                if j.pause_behavior is JobPauseBehavior.CANCEL and j.state in ACTIVE_STATES
-            )
-        )
-        return tuple(await self.list_jobs(run_id))
 
     async def mark_orphaned(self, job_id: str) -> JobSnapshot:
         """RUNNING/STOPPING → ORPHANED. Raises ``job.invalid_transition``, ``job.not_found``."""

@@ -27,7 +27,6 @@ from agents.jobs.base import (
     JobEventCallback,
     JobHandle,
     JobOutputChunk,
-    JobPauseBehavior,
     JobRuntimeBase,
     JobSnapshot,
     JobSpec,
@@ -413,20 +412,6 @@ class InMemoryJobRuntime(JobRuntimeBase):
             return tomb
         await job.done.wait()
         return job.snapshot()
-
-    async def handle_run_pause(self, run_id: str) -> tuple[JobSnapshot, ...]:
-        """Apply each job's pause behaviour: ``cancel`` jobs are killed, the rest go on.
-
-        Returns the snapshots of all the run's jobs afterwards.
-        """
-        victims = [
-            self._rows[j]
-            for j in self._by_run.get(run_id, {})
-            if self._rows[j].spec.pause_behavior is JobPauseBehavior.CANCEL
-            and self._rows[j].state in ACTIVE_STATES
-        ]
-        await asyncio.gather(*(self.cancel(v.job_id, reason="run paused") for v in victims))
-        return tuple(self._rows[j].snapshot() for j in self._by_run.get(run_id, {}))
 
     async def mark_orphaned(self, job_id: str) -> JobSnapshot:
         """RUNNING/STOPPING → ORPHANED (its run let go). Raises ``job.invalid_transition``."""
