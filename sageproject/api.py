@@ -146,7 +146,9 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if isinstance(exc, drf_exceptions.APIException):
         body = envelope("request.error", str(exc.detail), category=ErrorCategory.VALIDATION)
         return Response(body, status=exc.status_code)
-    logger.exception("unhandled error in %s", context.get("view").__class__.__name__)
+    view, request = context.get("view"), context.get("request")
+    where = type(view).__name__ if view is not None else getattr(request, "path", "a request")
+    logger.exception("unhandled error in %s", where)
     body = envelope("server.internal", "internal server error", category=ErrorCategory.INTERNAL)
     return Response(body, status=http.HTTP_500_INTERNAL_SERVER_ERROR)
 

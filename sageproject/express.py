@@ -147,15 +147,14 @@ class Express:
         except (DisallowedHost, PermissionDenied):
             return None
         key = request.headers["Authorization"].split()[1]
-        try:
-            user, _token = self.authenticator.authenticate_credentials(key)
-        except exceptions.AuthenticationFailed:
-            return None
-        request.user = user
         function, allow = route
         try:
+            user, _token = self.authenticator.authenticate_credentials(key)
+            request.user = user
             answer = function(request, user)
-        except Exception as exc:
+        except exceptions.AuthenticationFailed:
+            return None  # the long way answers 401, with its header
+        except Exception as exc:  # a database outage, say: the envelope, as DRF gives it
             from sageproject.api import exception_handler
 
             answer = exception_handler(exc, {"request": request, "view": None})

@@ -304,3 +304,37 @@ def test_the_express_lane_is_off_with_a_middleware_it_does_not_know(settings):
     assert Express.configured() is not None
     settings.MIDDLEWARE = [*settings.MIDDLEWARE, "example.middleware.Unknown"]
     assert Express.configured() is None
+
+
+@pytest.mark.parametrize("where", ["authentication", "admission"])
+async def test_an_unexpected_error_is_the_same_500_envelope_on_the_lane(
+    where, alice, make_session, monkeypatch
+):
+    from django.db import OperationalError
+
+    from agents import services
+    from sageproject.authentication import TokenAuthentication
+
+    def down(*args, **kwargs):
+        raise OperationalError("the database went away")
+
+    token = await _token(alice)
+    if where == "authentication":
+        monkeypatch.setattr(TokenAuthentication, "authenticate_credentials", down)
+    else:
+        monkeypatch.setattr(services, "run_submit", down)
+    full = ThreadedASGIHandler()
+    full.express = None
+    answers = []
+    for handler in (ThreadedASGIHandler(), full):
+        session = await sync_to_async(make_session)(alice)
+        headers: list[Any] = []
+        body = {"session": str(session.pk), "input": "hi"}
+        status, content = await _request(
+            handler, "POST", "/api/v1/runs/", token, body, answer=headers
+        )
+        answers.append(_comparable(status, headers, content))
+    assert answers[0] == answers[1]
+    assert answers[0][0] == 500
+    assert answers[0][2]["error"]["code"] == "server.internal"
+    assert "went away" not in json.dumps(answers[0][2])
