@@ -275,23 +275,29 @@ async def test_a_repeated_idempotency_key_answers_the_same_run_on_the_lane(alice
     assert await Run.objects.filter(session_id=session.pk).acount() == 1
 
 
+def _lane_and_full() -> tuple[ThreadedASGIHandler, ThreadedASGIHandler]:
+    """A handler with the express lane, and one that sends everything the long way."""
+    full = ThreadedASGIHandler()
+    full.express = None
+    return ThreadedASGIHandler(), full
+
+
+async def _submit_fresh(handler, user, token: str, make_session) -> tuple[Any, ...]:
+    """Submit into a fresh session of ``user``'s; the answer as `_comparable` gives it."""
+    session = await sync_to_async(make_session)(user)
+    headers: list[Any] = []
+    body = {"session": str(session.pk), "input": "hi"}
+    status, content = await _request(handler, "POST", "/api/v1/runs/", token, body, answer=headers)
+    return _comparable(status, headers, content)
+
+
 async def test_a_full_queue_answers_429_on_the_lane_as_on_the_full_stack(
     alice, make_session, settings
 ):
     settings.SAGE = {**settings.SAGE, "SAGE_SERVER_MAX_PENDING_RUNS": 1}
     token = await _token(alice)
-    lane = ThreadedASGIHandler()
-    full = ThreadedASGIHandler()
-    full.express = None
-    answers = []
-    for handler in (lane, lane, full):
-        session = await sync_to_async(make_session)(alice)
-        headers: list[Any] = []
-        body = {"session": str(session.pk), "input": "hi"}
-        status, content = await _request(
-            handler, "POST", "/api/v1/runs/", token, body, answer=headers
-        )
-        answers.append(_comparable(status, headers, content))
+    lane, full = _lane_and_full()
+    answers = [await _submit_fresh(h, alice, token, make_session) for h in (lane, lane, full)]
     assert [status for status, _, _ in answers] == [202, 429, 429]
     assert answers[1] == answers[2]
     assert "retry-after" in dict(answers[1][1])
@@ -323,17 +329,7 @@ async def test_an_unexpected_error_is_the_same_500_envelope_on_the_lane(
         monkeypatch.setattr(TokenAuthentication, "authenticate_credentials", down)
     else:
         monkeypatch.setattr(services, "run_submit", down)
-    full = ThreadedASGIHandler()
-    full.express = None
-    answers = []
-    for handler in (ThreadedASGIHandler(), full):
-        session = await sync_to_async(make_session)(alice)
-        headers: list[Any] = []
-        body = {"session": str(session.pk), "input": "hi"}
-        status, content = await _request(
-            handler, "POST", "/api/v1/runs/", token, body, answer=headers
-        )
-        answers.append(_comparable(status, headers, content))
+    answers = [await _submit_fresh(h, alice, token, make_session) for h in _lane_and_full()]
     assert answers[0] == answers[1]
     assert answers[0][0] == 500
     assert answers[0][2]["error"]["code"] == "server.internal"
