@@ -22,12 +22,15 @@ on stderr only when it is a terminal):
   the claim from the database's clock; the database runs on this machine, so both are this
   machine's wall clock (on SQLite ``started_at`` has millisecond resolution).
 - ``http_admission``: the web processes as production starts them (``manage.py runweb
-  --workers 2`` on 127.0.0.1: uvicorn, a listening socket per process), the worker running, and
+  --workers 2`` on 127.0.0.1: uvicorn, a listening socket per process) and
   ``--http-clients`` (default 50) concurrent clients (one process; each a keep-alive
   connection of a minimal HTTP/1.1 client, `KeepAliveClient`) POSTing
   ``/api/v1/runs/`` with API tokens for ``--http-seconds`` (default 10): requests/s, p50/p99,
   the answers by status (202, 429, …) and how long the worker took to drain what was admitted
-  (target ≥ 500 req/s, p99 ≤ 100 ms).
+  (target ≥ 500 req/s, p99 ≤ 100 ms). Admission alone: the worker is paused (SIGSTOP, holding
+  no run) for the window — on a 2-CPU machine, executing 500 runs/s takes both CPUs by
+  itself (the throughput path) — and drains the runs after. ``http_admission_with_worker``
+  is the same with the worker executing the runs as they are admitted.
 - ``token_to_sse``: model token to SSE client. The runs of this path use an
   OpenAI-compatible model served by ``benchpeers.model_server`` (a subprocess started here;
   a model record ``bench-live`` of the benchmark's user points the worker's ``openai``
