@@ -10,22 +10,30 @@ connections over the processes by a hash of their addresses.
 
 The supervisor starts the processes, restarts one that exits (a process that exits within
 `EARLY_EXIT` seconds of its start stops everything: a bad setting or a port taken would
-only repeat), and on SIGTERM or SIGINT stops them (SIGTERM: uvicorn's graceful shutdown,
-then SIGKILL after `STOP_GRACE` seconds). Django-free; each process loads
+only repeat), and on SIGTERM or SIGINT stops them: uvicorn's graceful shutdown, which
+finishes the requests in flight and ends event streams still open after
+`GRACEFUL_SHUTDOWN` seconds (their clients resume with ``Last-Event-ID``), then SIGKILL
+after `STOP_GRACE` seconds. A process whose supervisor is gone (killed outright) stops
+itself the same way, so it never keeps the port. Django-free; each process loads
 ``sageproject.asgi``.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
 EARLY_EXIT = 5.0
-STOP_GRACE = 30.0
+GRACEFUL_SHUTDOWN = 10.0
+STOP_GRACE = 15.0
+# How often a web process looks whether its supervisor is still there.
+ORPHAN_CHECK_SECONDS = 1.0
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -51,8 +59,19 @@ def serve_one(host: str, port: int, log_level: str = "info") -> None:
         lifespan="off",
         access_log=False,
         log_level=log_level,
+        timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN),
     )
+    threading.Thread(
+        target=_stop_when_orphaned, args=(os.getppid(),), name="orphan-watch", daemon=True
+    ).start()
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """SIGTERM this process (a graceful stop) once its supervisor ``parent`` is gone."""
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_CHECK_SECONDS)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Supervisor:

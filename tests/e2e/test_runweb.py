@@ -110,3 +110,23 @@ def test_a_process_that_cannot_start_stops_the_command() -> None:
         taken.close()
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+def test_the_web_processes_stop_when_their_supervisor_is_killed() -> None:
+    port = free_port()
+    web = subprocess.Popen(
+        [sys.executable, "manage.py", "runweb", "--workers", "2", "--port", str(port)],
+        cwd=settings.BASE_DIR,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    children = _wait(lambda: len(now := _children(web.pid)) == 2 and now, 30, "the 2 web processes")
+    _wait(lambda: _healthy(port), 60, "the web processes to answer")
+    web.kill()
+    web.wait()
+
+    def gone() -> bool:
+        return not any(Path(f"/proc/{pid}").exists() for pid in children)
+
+    _wait(gone, webserver.ORPHAN_CHECK_SECONDS + webserver.GRACEFUL_SHUTDOWN + 5, "orphans to stop")
+    assert not _healthy(port)
