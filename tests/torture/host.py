@@ -1,5 +1,6 @@
-"""A live Sage Host on loopback for the torture checks: ``uvicorn sageproject.asgi:application``
-and ``manage.py runworker`` as subprocesses on the test database, their output in log files.
+"""A live Sage Host on loopback for the torture checks: ``manage.py runweb --workers 2``
+(two uvicorn processes, the production start) and ``manage.py runworker`` as subprocesses
+on the test database, their output in log files.
 
 The checks talk to it over HTTP only (``httpx``), as any client would; they read the
 database directly only to set up users and tokens and to look for leaks. The worker can be
@@ -55,9 +56,8 @@ class LiveHost:
     # -- processes ---------------------------------------------------------------------------
 
     def start(self) -> LiveHost:
-        argv = [sys.executable, "-m", "uvicorn", "sageproject.asgi:application"]
-        argv += ["--host", "127.0.0.1", "--port", str(self.port), "--workers", "2"]
-        argv += ["--lifespan", "off", "--log-level", "info"]
+        argv = [sys.executable, "manage.py", "runweb", "--host", "127.0.0.1"]
+        argv += ["--port", str(self.port), "--workers", "2", "--log-level", "info"]
         self.web = Child("web", argv, self.env, self.log_dir / "web.log")
         self._wait("the web process", self._web_up, [self.web])
         self.ensure_worker()

@@ -1,7 +1,7 @@
 """A submission flood against the host's pending limit.
 
 Thousands of ``POST /api/v1/runs/`` (10,000 at full size, 1,000 reduced) from three users
-over many sessions, concurrently, through the web process's two uvicorn workers, with no
+over many sessions, concurrently, through the host's two web processes, with no
 worker claiming (it is stopped: a claim gives a place back and the count would be
 meaningless). The host must admit exactly ``PENDING_HOST`` runs and refuse every other
 submission with 429 and the error envelope (``scheduler.queue_full``, ``Retry-After``); no
