@@ -5,7 +5,7 @@ A run submission (``POST /api/v1/runs/``) spends about two thirds of its web-pro
 in Django's middleware chain and DRF's request cycle (content negotiation, parser choice,
 authenticator chain, permission and throttle checks, response finalisation), not in what
 it does. A request that qualifies (below) is served here from the same parts: the route's
-own function (`agents.api.runs.submit`, shared with the DRF view), the API's token
+own function (`agents.api.runs.submit`: the DRF view's `submit_run`), the API's token
 authentication, JSON parser, renderer and exception handler (every error the same
 envelope), and the response passed through the ``process_response`` of the security and
 clickjacking middleware as configured. Anything else goes through the full stack:
@@ -44,7 +44,7 @@ from rest_framework.response import Response
 
 from sageproject.authentication import TokenAuthentication
 
-logger = logging.getLogger("django.request")
+logger = logging.getLogger("sage.web")
 
 # The middleware the lane knows, by what it does to a token-authenticated JSON POST to the
 # API: looks at it before the view (a redirect or a refusal sends it the long way), adds
