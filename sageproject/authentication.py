@@ -4,7 +4,8 @@ Every API request authenticates, so the lookup is on the path of every submit. D
 class builds an ORM query (``select_related("user").get(key=…)``) per request, which costs
 more CPU in the web process than the database spends answering it. This class answers the
 same thing — the token's user, refused when the key is unknown or the user inactive, with
-DRF's messages — from one SQL statement written once per process.
+DRF's messages — from one SQL statement written once per process (on PostgreSQL a
+prepared statement: planning its join cost the server twice what running it does).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from django.db import connection
 from django.db.models.expressions import Col
 from rest_framework import authentication, exceptions
 from rest_framework.authtoken.models import Token
+
+from sageproject.db import prepared
 
 
 @cache
@@ -54,9 +57,14 @@ class TokenAuthentication(authentication.TokenAuthentication):
 
     def authenticate_credentials(self, key: str) -> tuple[Any, Token]:
         sql, user_names, token_names, converters = _lookup()
-        with connection.cursor() as cursor:
-            cursor.execute(sql, [key])
-            row = cursor.fetchone()
+        if connection.vendor == "postgresql":  # planning the join costs more than running it
+            connection.ensure_connection()
+            with connection.wrap_database_errors:
+                row = prepared(connection.connection, sql, [key]).fetchone()
+        else:
+            with connection.cursor() as cursor:
+                cursor.execute(sql, [key])
+                row = cursor.fetchone()
         if row is None:
             raise exceptions.AuthenticationFailed("Invalid token.")
         values = list(row)

