@@ -137,16 +137,20 @@ def session_open(
 
 def run_start(run: Run) -> int:
     """The seq after which ``run``'s durable events are: before its first event, or the
-    session's durable prefix when it has none yet (its events come later)."""
+    session's durable prefix when it has none yet (its events come later).
+
+    The prefix is read first: read after finding no event, it could already hold the whole
+    run — a run that ends within moments of its submission commits its events between the
+    two reads — and a stream following from there would wait forever for an end it missed.
+    Read first, it is at most the seq before the run's first event."""
+    prefix = Session.objects.filter(pk=run.session_id).values_list("persisted_events", flat=True)[0]
     first = (
         Event.objects.filter(session_id=run.session_id, run_id=run.pk)
         .order_by("seq")
         .values_list("seq", flat=True)
         .first()
     )
-    if first is not None:
-        return first - 1
-    return Session.objects.filter(pk=run.session_id).values_list("persisted_events", flat=True)[0]
+    return first - 1 if first is not None else prefix
 
 
 def _run_exists(run_id: Any) -> bool:
