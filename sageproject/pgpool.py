@@ -6,9 +6,10 @@ of the server on a busy host. The check here keeps what it is for (after a datab
 no caller gets a dead connection) and pays the round trip only when it can matter:
 
 - a connection handed out less than ``RECHECK_AFTER`` seconds ago (so in use, or given
-  back, within that time), whose socket has nothing to read, is handed out as it is. A server that restarted or ended the backend has written
-  its goodbye (``FATAL: terminating connection``) or closed the socket: either makes the
-  socket readable, so the full check runs and the pool drops the connection;
+  back, within that time), whose socket has nothing to read, is handed out as it is. A
+  server that restarted or ended the backend has written its goodbye (``FATAL:
+  terminating connection``) or closed the socket: either makes the socket readable, so
+  the full check runs and the pool drops the connection;
 - any other connection (idle longer, readable, never handed out) gets the full check.
 
 This is pgbouncer's ``server_check_delay`` with a look at the socket added. The time kept

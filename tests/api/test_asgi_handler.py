@@ -172,6 +172,11 @@ EXPRESS_CASES = {
         "alice",
     ),
     "wrong token": ({"session": "SESSION", "input": "hi"}, {}, "wrong"),
+    "token with a space": (
+        {"session": "SESSION", "input": "hi"},
+        {"authorization": "Token two words"},
+        "alice",
+    ),
     "no token": ({"session": "SESSION", "input": "hi"}, {}, None),
     "html only": ({"session": "SESSION", "input": "hi"}, {"accept": "text/html"}, "alice"),
     "form": (b"session=x", {"content-type": "application/x-www-form-urlencoded"}, "alice"),
