@@ -43,6 +43,26 @@ def _wait(condition, seconds: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _port_sockets(pid: int, port: int, state: str) -> set[int]:
+    """Inodes of the process's IPv4 TCP sockets with local ``port`` in ``state`` (``0A``
+    listening, ``01`` established), from /proc."""
+    owned = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            owned.add(int(target[8:-1]))
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == state:
+            if int(fields[9]) in owned:
+                found.add(int(fields[9]))
+    return found
+
+
 def _healthy(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as answer:
@@ -65,11 +85,30 @@ def test_several_processes_serve_one_port_and_one_that_dies_is_replaced() -> Non
         first = _wait(
             lambda: len(now := _children(web.pid)) == 2 and now, 30, "the 2 web processes"
         )
+        # Each process listens on the port with a socket of its own.
+        listening = _wait(
+            lambda: (
+                all(len(_port_sockets(p, port, "0A")) == 1 for p in first)
+                and [_port_sockets(p, port, "0A") for p in first]
+            ),
+            60,
+            "both processes to listen",
+        )
+        assert listening[0] != listening[1]
         _wait(lambda: _healthy(port), 60, "the web processes to answer")
-        # Each process has a listening socket of its own on the port.
-        for pid in first:
-            sockets = {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
-            assert any(s.startswith("socket:") for s in sockets)
+        # Connections are spread over both processes: 20 keep-alive clients all on one of
+        # two would happen by chance once in half a million.
+        clients = [socket.create_connection(("127.0.0.1", port), 5) for _ in range(20)]
+        try:
+            for client in clients:
+                client.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            for client in clients:
+                assert client.recv(4096).startswith(b"HTTP/1.1 200")
+            served = {p: len(_port_sockets(p, port, "01")) for p in first}
+        finally:
+            for client in clients:
+                client.close()
+        assert sum(served.values()) == 20 and min(served.values()) >= 1, served
         # One killed after its start-up is replaced; the port keeps answering.
         time.sleep(max(0.0, webserver.EARLY_EXIT + 0.5))
         victim = sorted(first)[0]
