@@ -1419,6 +1419,7 @@ class Command(BaseCommand):
         warm = live.prepare(min(SSE_CONCURRENCY, options["sse_n"]), "sse-warmup")
         asyncio.run(sse_samples(base, tokens[0], user, [s for _, s in warm.handles], 120))
         batch = live.prepare(options["sse_n"], "sse")
+        tidy_tables()  # as before every path: not the admission windows' dead rows
         settle_collector()
         samples = asyncio.run(
             sse_samples(base, tokens[0], user, [s for _, s in batch.handles], options["timeout"])
