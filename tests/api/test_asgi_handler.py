@@ -339,3 +339,28 @@ async def test_an_unexpected_error_is_the_same_500_envelope_on_the_lane(
     assert answers[0][0] == 500
     assert answers[0][2]["error"]["code"] == "server.internal"
     assert "went away" not in json.dumps(answers[0][2])
+
+
+async def test_a_whole_response_is_sent_with_every_header_and_a_cookie_is_not_lost():
+    from django.http import HttpResponse
+
+    handler = ThreadedASGIHandler()
+    for cookie in (False, True):
+        response = HttpResponse(b'{"a": 1}', status=202, content_type="application/json")
+        response["X-Frame-Options"] = "DENY"
+        if cookie:
+            response.set_cookie("flavour", "oat")
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any], sent: list = sent) -> None:
+            sent.append(message)
+
+        await handler._send_whole(response, send)
+        start, *bodies = sent
+        assert start["status"] == 202
+        headers = dict(start["headers"])
+        assert headers[b"Content-Type"] == b"application/json"
+        assert headers[b"X-Frame-Options"] == b"DENY"
+        assert (b"Set-Cookie" in headers) is cookie
+        assert b"".join(m.get("body", b"") for m in bodies) == b'{"a": 1}'
+        assert not bodies[-1].get("more_body", False)
