@@ -45,7 +45,7 @@ import functools
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -70,7 +70,7 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
-from sageproject.db import prepared
+from sageproject.db import pipelined, prepared
 from sageproject.errors import (
     ConflictError,
     ErrorCategory,
@@ -570,13 +570,6 @@ def _admits_in_one_statement(using: str, run: Run, multitask: Multitask) -> bool
     )
 
 
-def pipelined(raw: Any) -> Any:
-    """libpq's pipeline mode on the psycopg connection ``raw``: the statements issued in
-    it go out together, one round trip, and run in order (without it, where libpq is too
-    old, one round trip each — the same statements, the same results)."""
-    return raw.pipeline() if pipeline_supported() else nullcontext()
-
-
 def rearm_idle_timeout(raw: Any) -> None:
     """After a pipeline that left its transaction open — only where a crash point is armed
     before its ``COMMIT`` (tests) — one plain statement: PostgreSQL arms its idle-in-
@@ -647,14 +640,6 @@ def division_by_zero() -> type[Exception]:
     import psycopg
 
     return psycopg.errors.DivisionByZero
-
-
-@functools.cache
-def pipeline_supported() -> bool:
-    """Whether libpq here has pipeline mode (see `pipelined`)."""
-    import psycopg
-
-    return psycopg.Pipeline.is_supported()
 
 
 def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool) -> Run:

@@ -41,7 +41,7 @@ from django.db import (
 )
 from django.utils import timezone
 
-from sageproject.db import db_call
+from sageproject.db import db_call, pipeline_supported
 from sageproject.errors import (
     ConflictError,
     NotFoundError,
@@ -491,7 +491,7 @@ class _Writer(threading.Thread):
         none or one with a pipelined form."""
         if self.pipeline is None:
             connection = connections[self.using]
-            self.pipeline = connection.vendor == "postgresql" and runs.pipeline_supported()
+            self.pipeline = connection.vendor == "postgresql" and pipeline_supported()
         if not self.pipeline:
             return False
         return all(

@@ -92,24 +92,33 @@ def test_a_claim_takes_runs_of_different_sessions_in_one_transaction(alice, bob,
     assert len({g.token for g in grants}) == 3
 
 
+def _prepared_runs(connection: Any) -> dict[str, list[int]]:
+    """The connection's prepared admission and claim statements: how often each ran."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement, generic_plans + custom_plans FROM pg_prepared_statements")
+        prepared = cursor.fetchall()
+    return {
+        "admission": [n for text, n in prepared if text.startswith("WITH b AS")],
+        "claim": [n for text, n in prepared if "lease_owner = $" in text],
+    }
+
+
 def test_the_admission_and_the_claim_are_prepared_statements_on_postgresql(alice, make_session):
     """Planned once per connection, then only bound and run (planning the claim costs
-    more than running it); Django turns psycopg's preparing off unless told otherwise."""
+    more than running it); Django turns psycopg's preparing off unless told otherwise.
+    (The connection may carry them from earlier tests: what counts is one statement each,
+    run once more per call.)"""
     connection = connections["default"]
     if connection.vendor != "postgresql":
         pytest.skip("prepared statements are the PostgreSQL path's")
+    submit(alice, make_session(alice))  # a new user's first admission runs twice
+    assert claim_one(reap=False) is not None
+    (admitted,), (claimed,) = _prepared_runs(connection).values()
     for _ in range(3):
         submit(alice, make_session(alice))
     for _ in range(2):
         assert claim_one(reap=False) is not None
-
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT statement, generic_plans + custom_plans FROM pg_prepared_statements")
-        prepared = cursor.fetchall()
-    admissions = [n for text, n in prepared if text.startswith("WITH b AS")]
-    claims = [n for text, n in prepared if "lease_owner = $" in text]
-    assert sum(admissions) == 3 and len(admissions) == 1, prepared
-    assert sum(claims) == 2 and len(claims) == 1, prepared
+    assert _prepared_runs(connection) == {"admission": [admitted + 3], "claim": [claimed + 2]}
 
 
 def test_a_transaction_left_open_after_a_pipeline_is_ended_once_rearmed():
@@ -133,6 +142,42 @@ def test_a_transaction_left_open_after_a_pipeline_is_ended_once_rearmed():
         time.sleep(0.8)
         with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
             raw.execute("SELECT 1")
+
+
+def test_a_pipeline_holds_its_statements_until_a_result_is_needed():
+    """`pipelined` sends a transaction's statements in one write: while the block issues
+    them they wait in the pipeline (psycopg's own pipeline sends each at once); reading a
+    result inside the block sends them, the block's end sends the rest, and a failed
+    statement still fails the block and leaves the connection usable."""
+    import psycopg
+
+    from sageproject.db import pipelined
+
+    if connections["default"].vendor != "postgresql":
+        pytest.skip("libpq's pipeline mode is the PostgreSQL path's")
+    params = connections["default"].get_connection_params()
+    for key in ("cursor_factory", "context", "server_side_binding"):
+        params.pop(key, None)
+    with psycopg.connect(**params, autocommit=True) as raw:
+        with pipelined(raw):
+            raw.execute("BEGIN")
+            first = raw.execute("SELECT 1")
+            assert len(raw._pipeline.command_queue) == 2  # nothing sent yet
+            assert first.fetchone() == (1,)  # reading sends them
+            assert not raw._pipeline.command_queue
+            last = raw.execute("SELECT 2")
+            raw.execute("COMMIT")
+            assert len(raw._pipeline.command_queue) == 2
+        assert last.fetchone() == (2,)
+        assert raw.pgconn.transaction_status == 0  # committed: idle
+
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            with pipelined(raw):
+                raw.execute("BEGIN")
+                raw.execute("SELECT 1 / 0")
+                raw.execute("COMMIT")
+        raw.execute("ROLLBACK")
+        assert raw.execute("SELECT 3").fetchone() == (3,)
 
 
 def test_a_suspended_run_keeps_its_sessions_turn(alice, make_session):
