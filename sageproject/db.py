@@ -141,6 +141,22 @@ def pipelined(raw: Any) -> Any:
     return raw.pipeline()
 
 
+def rollback(raw: Any) -> None:
+    """End the transaction open on the psycopg connection ``raw`` (a failed pipeline's),
+    keeping the connection's prepared statements. psycopg's own rollback — and a
+    ``ROLLBACK`` sent through a cursor — deallocates every prepared statement of the
+    connection, in case the transaction created an object one of them refers to; the hot
+    path's transactions create none, and without this every refused admission (a full
+    queue) made the connection plan its admission, its claim and its token lookup again."""
+    import psycopg
+
+    with raw.lock:
+        result = raw.pgconn.exec_(b"ROLLBACK")
+    if result.status != psycopg.pq.ExecStatus.COMMAND_OK:
+        message = raw.pgconn.get_error_message().decode(errors="replace").strip()
+        raise psycopg.OperationalError(f"rollback failed: {message or result.status.name}")
+
+
 @functools.cache
 def _held_pipeline_class() -> type:
     import psycopg

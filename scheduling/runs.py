@@ -70,7 +70,7 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
-from sageproject.db import pipelined, prepared
+from sageproject.db import pipelined, prepared, rollback
 from sageproject.errors import (
     ConflictError,
     ErrorCategory,
@@ -688,7 +688,7 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool
         except Exception as exc:
             if commit:
                 if raw.pgconn.transaction_status != _IDLE:
-                    raw.execute("ROLLBACK")
+                    rollback(raw)
                 if not isinstance(exc, division_by_zero()):
                     raise
             else:
@@ -933,7 +933,7 @@ def _claim_pipelined(
                 raw.execute("COMMIT")
         except BaseException:
             if raw.pgconn.transaction_status != _IDLE:
-                raw.execute("ROLLBACK")
+                rollback(raw)
             raise
     grants = [Grant.leased(row, duration) for row in rows]
     if grants:

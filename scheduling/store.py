@@ -41,7 +41,7 @@ from django.db import (
 )
 from django.utils import timezone
 
-from sageproject.db import db_call, pipeline_supported
+from sageproject.db import db_call, pipeline_supported, rollback
 from sageproject.errors import (
     ConflictError,
     NotFoundError,
@@ -566,7 +566,7 @@ class _Writer(threading.Thread):
                         raw.execute("COMMIT")
                 except BaseException:
                     if not raw.closed and raw.pgconn.transaction_status != _IDLE:
-                        raw.execute("ROLLBACK")
+                        rollback(raw)
                     raise
         except DatabaseError as exc:
             if connection.connection is None or connection.connection.closed:

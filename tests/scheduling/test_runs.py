@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from agents import services
 from agents.models import ManagedAgentRecord
-from sageproject.errors import ConflictError
+from sageproject.errors import ConflictError, RateLimitedError
 from scheduling import runs
 from scheduling.models import Event, Run, RunStatus, Session
 from scheduling.runs import Fence, Finish, Outcome, Start
@@ -119,6 +119,26 @@ def test_the_admission_and_the_claim_are_prepared_statements_on_postgresql(alice
     for _ in range(2):
         assert claim_one(reap=False) is not None
     assert _prepared_runs(connection) == {"admission": [admitted + 3], "claim": [claimed + 2]}
+
+
+def test_a_refused_admission_keeps_the_connections_prepared_statements(
+    alice, make_session, settings
+):
+    """A refusal (the user's queue is full) rolls the pipelined admission back without
+    psycopg's rollback, which deallocates every prepared statement of the connection: the
+    next admission, claim or token lookup would be planned again."""
+    connection = connections["default"]
+    if connection.vendor != "postgresql":
+        pytest.skip("prepared statements are the PostgreSQL path's")
+    settings.SAGE = {**settings.SAGE, "SAGE_SERVER_MAX_PENDING_RUNS_PER_USER": 1}
+
+    submit(alice, make_session(alice))
+    (before,) = _prepared_runs(connection)["admission"]
+    with pytest.raises(RateLimitedError):
+        submit(alice, make_session(alice))
+    assert connection.connection.pgconn.transaction_status == 0  # the refusal rolled back
+    # The same statement, run once more (not deallocated and prepared again).
+    assert _prepared_runs(connection)["admission"] == [before + 1]
 
 
 def test_a_transaction_left_open_after_a_pipeline_is_ended_once_rearmed():
