@@ -132,8 +132,10 @@ def pipelined(raw: Any) -> Any:
 
     psycopg's own pipeline sends each statement as it is issued (two polls and a write
     each); the held pipeline keeps them until the block ends, so the database is woken
-    once per transaction rather than once per statement: a pipelined admission went from
-    about twenty system calls to five."""
+    once per transaction rather than once per statement, and its end sends no flush
+    request after the sync: a pipelined admission went from about twenty system calls to
+    three, and its CPU (measured back to back on PostgreSQL) from 0.63 to 0.48 ms here and
+    0.45 to 0.38 ms in the database."""
     if not pipeline_supported():
         return nullcontext()
     if raw._pipeline is None:
@@ -160,6 +162,7 @@ def rollback(raw: Any) -> None:
 @functools.cache
 def _held_pipeline_class() -> type:
     import psycopg
+    from psycopg.generators import send
 
     class HeldPipeline(psycopg.Pipeline):
         """A psycopg pipeline that sends its queued statements only when it has to: at a
@@ -190,9 +193,15 @@ def _held_pipeline_class() -> type:
                 self.holding = True
 
         def _exit_gen(self) -> Any:
+            # psycopg's: the sync, then a flush request to fetch the results by — which
+            # the sync already makes the server send, so the request only woke it again.
             self.holding = False
             try:
-                yield from super()._exit_gen()
+                self._enqueue_sync()
+                while self.command_queue:
+                    self.command_queue.popleft()()
+                yield from send(self.pgconn)  # all of it written
+                yield from psycopg.Pipeline._fetch_gen(self, flush=False)
             finally:
                 self.holding = True
 
