@@ -143,6 +143,16 @@ def pipelined(raw: Any) -> Any:
     return raw.pipeline()
 
 
+def implicit_transaction(at_once: bool) -> bool:
+    """Whether a pipelined block that would send ``BEGIN`` … ``COMMIT`` in the same round
+    trip (``at_once``) can leave both out: in pipeline mode every statement up to the sync
+    runs in one implicit transaction, which the sync commits — or rolls back after a failed
+    statement, leaving nothing to end — so the two statements (and a ``ROLLBACK`` round
+    trip after a refusal) are work for nothing. Not where libpq has no pipeline mode (each
+    statement would commit on its own), nor when the ``COMMIT`` is sent later."""
+    return at_once and pipeline_supported()
+
+
 def rollback(raw: Any) -> None:
     """End the transaction open on the psycopg connection ``raw`` (a failed pipeline's),
     keeping the connection's prepared statements. psycopg's own rollback — and a

@@ -70,7 +70,7 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
-from sageproject.db import pipelined, prepared, rollback
+from sageproject.db import implicit_transaction, pipelined, prepared, rollback
 from sageproject.errors import (
     ConflictError,
     ErrorCategory,
@@ -648,12 +648,12 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool
     inserts the run and notifies the workers — sent together (`pipelined`). The second
     statement starts after the lock is held, so what it reads is from after any wait for it.
 
-    With ``commit`` (no transaction is open) the round trip also begins and commits the
-    transaction: a guard statement between the insert and the ``COMMIT`` fails when the run
-    was not inserted, which aborts the transaction — a place taken in the host's stripe
-    while the user's was refused is never committed — and the statement's row, already
-    received, says why. Without ``commit`` it runs in the caller's transaction, which the
-    exception raised here rolls back."""
+    With ``commit`` (no transaction is open) the round trip is the whole transaction (the
+    pipeline's implicit one, `implicit_transaction`): a guard statement after the insert
+    fails when the run was not inserted, which aborts the transaction — a place taken in the
+    host's stripe while the user's was refused is never committed — and the statement's
+    row, already received, says why. Without ``commit`` it runs in the caller's
+    transaction, which the exception raised here rolls back."""
     connection = connections[using]
     lock_sql, sql, guard_sql, fields = _admission_statements(using)
     reject = multitask is Multitask.REJECT
@@ -677,13 +677,15 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool
     raw = connection.connection
     with connection.wrap_database_errors:
         try:
+            explicit = commit and not implicit_transaction(at_once=True)
             with pipelined(raw):
-                if commit:
+                if explicit:
                     raw.execute("BEGIN")
                 prepared(raw, lock_sql, [run.session_id, run.owner_id])
                 cursor = prepared(raw, sql, params)
                 if commit:
                     prepared(raw, guard_sql, [run.pk, 1])
+                if explicit:
                     raw.execute("COMMIT")
         except Exception as exc:
             if commit:
@@ -885,13 +887,15 @@ def _claim_reads(
     )
 
 
-def _take_claim_lock(connection: Any, count: int) -> Any:
-    """PostgreSQL, in the claim's transaction: its idle timeout, then the claim lock (the
+def _take_claim_lock(connection: Any, count: int, *, idle_timeout: bool = True) -> Any:
+    """PostgreSQL, in the claim's transaction: its idle timeout (unless the transaction
+    never waits for this process: a pipeline's implicit one), then the claim lock (the
     fence-sequence row) with a range of ``count`` fencing tokens; returns the cursor whose
     row is the range's last token (none: the row is missing)."""
     raw = connection.connection
     table = connection.ops.quote_name(FenceSequence._meta.db_table)
-    raw.execute(f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}")
+    if idle_timeout:
+        raw.execute(f"SET LOCAL idle_in_transaction_session_timeout = {CLAIM_IDLE_TIMEOUT_MS}")
     return prepared(
         raw, f"UPDATE {table} SET value = value + %s::bigint WHERE id = 1 RETURNING value", [count]
     )
@@ -900,28 +904,31 @@ def _take_claim_lock(connection: Any, count: int) -> Any:
 def _claim_pipelined(
     connection: Any, limit: int, duration: timedelta, statement: tuple[str, list[Any]]
 ) -> list[Grant]:
-    """`claim` on PostgreSQL in one round trip (`pipelined`): ``BEGIN``, the claim lock
-    with ``limit`` fencing tokens (the fence-sequence row), the ``statement`` that picks
-    and leases (`_claim_statement`), ``COMMIT``. The statement starts after the lock is held,
-    so it reads what the previous claim committed; the lock is held only while the
-    database works, never across a round trip to this process — which, on a busy host,
-    is what the claim rate of several workers turns on.
+    """`claim` on PostgreSQL in one round trip (`pipelined`), one transaction (the
+    pipeline's implicit one, `implicit_transaction`): the claim lock with ``limit`` fencing
+    tokens (the fence-sequence row), then the ``statement`` that picks and leases
+    (`_claim_statement`). The statement starts after the lock is held, so it reads what the
+    previous claim committed; the lock is held only while the database works, never across
+    a round trip to this process — which, on a busy host, is what the claim rate of several
+    workers turns on.
 
     Leases are taken only if this transaction moved the fence row (its ``xmin``): a row
     recreated by another process meanwhile (the table emptied) raises `_FenceRowMissing`
-    with nothing leased. With the ``claim.before_commit`` crash point armed the ``COMMIT``
-    is sent after it."""
+    with nothing leased. With the ``claim.before_commit`` crash point armed the
+    transaction is explicit, with its idle timeout, and its ``COMMIT`` is sent after it."""
     connection.ensure_connection()
     commit_at_once = not is_armed("claim.before_commit")
     raw = connection.connection
     sql, params = statement
     with connection.wrap_database_errors:
         try:
+            implicit = implicit_transaction(commit_at_once)
             with pipelined(raw):
-                raw.execute("BEGIN")
-                tokens = _take_claim_lock(connection, limit)
+                if not implicit:
+                    raw.execute("BEGIN")
+                tokens = _take_claim_lock(connection, limit, idle_timeout=not implicit)
                 leased = prepared(raw, sql, params)
-                if commit_at_once:
+                if commit_at_once and not implicit:
                     raw.execute("COMMIT")
             if tokens.fetchone() is None:
                 raise _FenceRowMissing

@@ -41,7 +41,7 @@ from django.db import (
 )
 from django.utils import timezone
 
-from sageproject.db import db_call, pipeline_supported, rollback
+from sageproject.db import db_call, implicit_transaction, pipeline_supported, rollback
 from sageproject.errors import (
     ConflictError,
     NotFoundError,
@@ -505,23 +505,26 @@ class _Writer(threading.Thread):
     def _commit_pipelined(self, commits: list[_Commit]) -> list[BaseException | None] | None:
         """The group commit on PostgreSQL in one round trip, whatever the batch's size.
 
-        Sent together in libpq's pipeline mode: ``BEGIN``; the run rows the commits' fences
-        still own, locked in id order (`runs.lock_fences`); the sessions' rows, locked in id
-        order; each session's durable count moved on where it is still the count this
-        process believes in; the events (one ``INSERT … UNNEST``); the run transitions
+        Sent together in libpq's pipeline mode, as one transaction (the pipeline's implicit
+        one, `implicit_transaction`): the run rows the commits' fences still own, locked in
+        id order (`runs.lock_fences`); the sessions' rows, locked in id order; each
+        session's durable count moved on where it is still the count this process believes
+        in; the events (one ``INSERT … UNNEST``); the run transitions
         (`Finish.pipeline_many`: the fenced terminal update, the archive, the next runs made
-        ready); ``COMMIT``. Each check is a statement that fails unless it holds (every
-        fence, every count, every row written: `runs.guarded`), which aborts the
-        transaction and skips the ``COMMIT``. The transaction never waits on this process:
+        ready); the pipeline's sync commits. Each check is a statement that fails unless it
+        holds (every fence, every count, every row written: `runs.guarded`), which aborts
+        the transaction: the sync rolls it back. The transaction never waits on this process:
         a worker cut off mid-commit leaves no transaction holding its runs' locks (after a
         pipeline, PostgreSQL does not reliably arm its idle-in-transaction timeout again).
 
         Returns the outcomes: all None, or all the same failure when the connection was lost
-        with the ``COMMIT`` sent (whether it landed is unknown, as with any lost ``COMMIT``);
+        with the pipeline sent (whether it committed is unknown, as with any lost
+        ``COMMIT``);
         None if a check failed or a statement was refused — nothing was written, and the
         caller redoes the batch the general way, which refuses the culprit alone with its
-        own error. With a ``before_commit`` crash point armed (tests) the ``COMMIT`` goes
-        after the pipeline, once the crash point is passed."""
+        own error. With a ``before_commit`` crash point armed (tests) the transaction is
+        explicit and its ``COMMIT`` goes after the pipeline, once the crash point is
+        passed."""
         connection = connections[self.using]
         sessions = sorted({commit.session_id for commit in commits})
         rows = sum(len(commit.rows) for commit in commits)
@@ -533,8 +536,10 @@ class _Writer(threading.Thread):
             raw = connection.connection
             with connection.wrap_database_errors:
                 try:
+                    implicit = implicit_transaction(at_once)
                     with runs.pipelined(raw):
-                        raw.execute("BEGIN")
+                        if not implicit:
+                            raw.execute("BEGIN")
                         runs.lock_fences([c.fence for c in commits], connection)
                         runs.prepared(raw, lock_sessions, [[uuid.UUID(s) for s in sessions]])
                         runs.prepared(
@@ -557,7 +562,7 @@ class _Writer(threading.Thread):
                                 grouped.setdefault(many, []).append(commit.transition)
                         for many, group in grouped.items():
                             many(group, connection)
-                        if at_once:
+                        if at_once and not implicit:
                             raw.execute("COMMIT")
                     if not at_once:
                         runs.rearm_idle_timeout(raw)

@@ -200,6 +200,39 @@ def test_a_pipeline_holds_its_statements_until_a_result_is_needed():
         assert raw.execute("SELECT 3").fetchone() == (3,)
 
 
+def test_a_pipeline_without_begin_is_one_transaction():
+    """What the admission, the claim and the group commit rely on when they send no
+    ``BEGIN`` and no ``COMMIT`` (`sageproject.db.implicit_transaction`): the statements up
+    to the pipeline's sync are one transaction, committed by the sync, or rolled back by it
+    after a failed statement, leaving the connection idle with nothing written."""
+    import psycopg
+
+    from sageproject.db import implicit_transaction, pipelined
+
+    if connections["default"].vendor != "postgresql":
+        pytest.skip("libpq's pipeline mode is the PostgreSQL path's")
+    assert implicit_transaction(True) and not implicit_transaction(False)
+    params = connections["default"].get_connection_params()
+    for key in ("cursor_factory", "context", "server_side_binding"):
+        params.pop(key, None)
+    with psycopg.connect(**params, autocommit=True) as raw:
+        raw.execute("CREATE TEMPORARY TABLE t (x int)")
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            with pipelined(raw):
+                raw.execute("INSERT INTO t VALUES (1)")
+                raw.execute("SELECT 1 / 0")
+        assert raw.pgconn.transaction_status == 0  # idle: nothing to roll back
+        assert raw.execute("SELECT count(*) FROM t").fetchone() == (0,)
+
+        with pipelined(raw):
+            raw.execute("INSERT INTO t VALUES (2)")
+            first = raw.execute("SELECT pg_current_xact_id()::text")
+            second = raw.execute("SELECT pg_current_xact_id()::text")
+        assert first.fetchone() == second.fetchone()  # one transaction
+        assert raw.pgconn.transaction_status == 0
+        assert raw.execute("SELECT count(*) FROM t").fetchone() == (1,)
+
+
 def test_a_suspended_run_keeps_its_sessions_turn(alice, make_session):
     session = make_session(alice)
     first, second = submit(alice, session), submit(alice, session)
