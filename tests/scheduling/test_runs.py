@@ -141,11 +141,9 @@ def test_a_refused_admission_keeps_the_connections_prepared_statements(
     assert _prepared_runs(connection)["admission"] == [before + 1]
 
 
-def test_a_transaction_left_open_after_a_pipeline_is_ended_once_rearmed():
-    """What a crash point armed before a pipelined ``COMMIT`` relies on: after a pipeline
-    PostgreSQL does not reliably arm its idle-in-transaction timeout (a worker frozen there
-    held the claim lock for 18 minutes), so `runs.rearm_idle_timeout` sends one plain
-    statement, and the server then ends the transaction."""
+def _own_connection() -> Any:
+    """A psycopg connection of the test's own to the test database, in autocommit mode
+    (skips the test on other databases: pipeline mode is the PostgreSQL path's)."""
     import psycopg
 
     if connections["default"].vendor != "postgresql":
@@ -153,7 +151,17 @@ def test_a_transaction_left_open_after_a_pipeline_is_ended_once_rearmed():
     params = connections["default"].get_connection_params()
     for key in ("cursor_factory", "context", "server_side_binding"):
         params.pop(key, None)
-    with psycopg.connect(**params, autocommit=True) as raw:
+    return psycopg.connect(**params, autocommit=True)
+
+
+def test_a_transaction_left_open_after_a_pipeline_is_ended_once_rearmed():
+    """What a crash point armed before a pipelined ``COMMIT`` relies on: after a pipeline
+    PostgreSQL does not reliably arm its idle-in-transaction timeout (a worker frozen there
+    held the claim lock for 18 minutes), so `runs.rearm_idle_timeout` sends one plain
+    statement, and the server then ends the transaction."""
+    import psycopg
+
+    with _own_connection() as raw:
         with runs.pipelined(raw):
             raw.execute("BEGIN")
             raw.execute("SET LOCAL idle_in_transaction_session_timeout = 300")
@@ -173,12 +181,7 @@ def test_a_pipeline_holds_its_statements_until_a_result_is_needed():
 
     from sageproject.db import pipelined
 
-    if connections["default"].vendor != "postgresql":
-        pytest.skip("libpq's pipeline mode is the PostgreSQL path's")
-    params = connections["default"].get_connection_params()
-    for key in ("cursor_factory", "context", "server_side_binding"):
-        params.pop(key, None)
-    with psycopg.connect(**params, autocommit=True) as raw:
+    with _own_connection() as raw:
         with pipelined(raw):
             raw.execute("BEGIN")
             first = raw.execute("SELECT 1")
@@ -209,13 +212,8 @@ def test_a_pipeline_without_begin_is_one_transaction():
 
     from sageproject.db import implicit_transaction, pipelined
 
-    if connections["default"].vendor != "postgresql":
-        pytest.skip("libpq's pipeline mode is the PostgreSQL path's")
-    assert implicit_transaction(True) and not implicit_transaction(False)
-    params = connections["default"].get_connection_params()
-    for key in ("cursor_factory", "context", "server_side_binding"):
-        params.pop(key, None)
-    with psycopg.connect(**params, autocommit=True) as raw:
+    with _own_connection() as raw:
+        assert implicit_transaction(True) and not implicit_transaction(False)
         raw.execute("CREATE TEMPORARY TABLE t (x int)")
         with pytest.raises(psycopg.errors.DivisionByZero):
             with pipelined(raw):
