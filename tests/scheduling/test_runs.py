@@ -92,53 +92,73 @@ def test_a_claim_takes_runs_of_different_sessions_in_one_transaction(alice, bob,
     assert len({g.token for g in grants}) == 3
 
 
-def _prepared_runs(connection: Any) -> dict[str, list[int]]:
-    """The connection's prepared admission and claim statements: how often each ran."""
+PREPARED_KINDS = {
+    "admission": lambda text: text.startswith("WITH b AS"),
+    "claim": lambda text: "lease_owner = $" in text,
+}
+
+
+def _no_prepared_statements(connection: Any) -> None:
+    """Start from none: the connection carries earlier tests' prepared statements, and past
+    psycopg's cache size (100) the least used are deallocated and prepared anew."""
+    connection.ensure_connection()
+    connection.connection.execute("DEALLOCATE ALL")  # psycopg's cache forgets them too
+
+
+def _prepared_runs(connection: Any, kind: str) -> dict[str, int]:
+    """The connection's prepared statements of ``kind`` (`PREPARED_KINDS`): how often each
+    ran."""
     with connection.cursor() as cursor:
         cursor.execute("SELECT statement, generic_plans + custom_plans FROM pg_prepared_statements")
-        prepared = cursor.fetchall()
-    return {
-        "admission": [n for text, n in prepared if text.startswith("WITH b AS")],
-        "claim": [n for text, n in prepared if "lease_owner = $" in text],
-    }
+        return {text: n for text, n in cursor.fetchall() if PREPARED_KINDS[kind](text)}
+
+
+def _ran_again(before: dict[str, int], after: dict[str, int]) -> list[int]:
+    """How many more times each statement ran, for those that did; a statement prepared
+    anew meanwhile (not in ``before``) fails the test."""
+    assert set(after) <= set(before), f"prepared anew: {set(after) - set(before)}"
+    return [after[text] - before[text] for text in after if after[text] != before[text]]
 
 
 def test_the_admission_and_the_claim_are_prepared_statements_on_postgresql(alice, make_session):
     """Planned once per connection, then only bound and run (planning the claim costs
-    more than running it); Django turns psycopg's preparing off unless told otherwise.
-    (The connection may carry them from earlier tests: what counts is one statement each,
-    run once more per call.)"""
+    more than running it); Django turns psycopg's preparing off unless told otherwise."""
     connection = connections["default"]
     if connection.vendor != "postgresql":
         pytest.skip("prepared statements are the PostgreSQL path's")
+    _no_prepared_statements(connection)
     submit(alice, make_session(alice))  # a new user's first admission runs twice
     assert claim_one(reap=False) is not None
-    (admitted,), (claimed,) = _prepared_runs(connection).values()
+    admissions, claims = (
+        _prepared_runs(connection, "admission"),
+        _prepared_runs(connection, "claim"),
+    )
     for _ in range(3):
         submit(alice, make_session(alice))
     for _ in range(2):
         assert claim_one(reap=False) is not None
-    assert _prepared_runs(connection) == {"admission": [admitted + 3], "claim": [claimed + 2]}
+    assert _ran_again(admissions, _prepared_runs(connection, "admission")) == [3]
+    assert _ran_again(claims, _prepared_runs(connection, "claim")) == [2]
 
 
 def test_a_refused_admission_keeps_the_connections_prepared_statements(
     alice, make_session, settings
 ):
-    """A refusal (the user's queue is full) rolls the pipelined admission back without
-    psycopg's rollback, which deallocates every prepared statement of the connection: the
-    next admission, claim or token lookup would be planned again."""
+    """A refusal (the user's queue is full) ends the pipelined admission without psycopg's
+    rollback, which deallocates every prepared statement of the connection: the next
+    admission, claim or token lookup would be planned again."""
     connection = connections["default"]
     if connection.vendor != "postgresql":
         pytest.skip("prepared statements are the PostgreSQL path's")
     settings.SAGE = {**settings.SAGE, "SAGE_SERVER_MAX_PENDING_RUNS_PER_USER": 1}
-
+    _no_prepared_statements(connection)
     submit(alice, make_session(alice))
-    (before,) = _prepared_runs(connection)["admission"]
+    before = _prepared_runs(connection, "admission")
     with pytest.raises(RateLimitedError):
         submit(alice, make_session(alice))
     assert connection.connection.pgconn.transaction_status == 0  # the refusal rolled back
     # The same statement, run once more (not deallocated and prepared again).
-    assert _prepared_runs(connection)["admission"] == [before + 1]
+    assert _ran_again(before, _prepared_runs(connection, "admission")) == [1]
 
 
 def _own_connection() -> Any:
