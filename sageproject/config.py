@@ -380,6 +380,10 @@ def load(environ: Mapping[str, str] | None = None, *, base_dir: str = ".") -> Co
     config.values["SAGE_LOG_FORMAT"] = _log_format(env, config)
     _read_metrics(env, config)
     config.values["SAGE_LANGGRAPH_CORS_ORIGINS"] = _cors_origins(env, config)
+    # The host's own files: the generated secret key, the local sockets of wake-ups and
+    # live deltas (a host's web and worker processes must share it), metrics files.
+    local = env.get("SAGE_LOCAL_DIR", "").strip() or ".local"
+    config.values["SAGE_LOCAL_DIR"] = os.path.join(base_dir, local)  # relative: to the project
     return config
 
 

@@ -12,10 +12,9 @@ from sageproject import logs as sage_logs
 from sageproject import pgpool
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-LOCAL_DIR = Path(os.environ.get("SAGE_LOCAL_DIR", BASE_DIR / ".local"))
-
 SAGE_CONFIG = sage_config.load(base_dir=str(BASE_DIR))
 SAGE = SAGE_CONFIG.values
+LOCAL_DIR = Path(SAGE["SAGE_LOCAL_DIR"])
 
 
 def _secret_key() -> str:

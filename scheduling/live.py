@@ -8,7 +8,8 @@ stream reads it at once instead of at its next poll).
 
 Transport, as for wake-ups (`scheduling.wakeups`): PostgreSQL ``NOTIFY sage_live``,
 Redis pub/sub ``sage:live`` when ``REDIS_URL`` is set on other databases, or Unix datagram
-sockets under ``.local/live/`` (one per web process) for the embedded default.
+sockets under ``live/`` of the local directory (``SAGE_LOCAL_DIR``, ``.local/`` by default;
+one per web process) for the embedded default.
 
 Nothing here may slow a run: `LivePublisher.publish` only appends to a bounded queue that a
 background task drains (a full queue drops and counts), and each stream client reads from a
@@ -50,7 +51,7 @@ DELTA_TEXT = {"message.delta": "text", "tool_call.delta": "arguments"}
 
 
 def live_dir() -> Path:
-    return Path(settings.BASE_DIR) / ".local" / "live"
+    return Path(settings.LOCAL_DIR) / "live"
 
 
 # ------------------------------------------------------------------------------ publishing

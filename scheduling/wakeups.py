@@ -9,8 +9,9 @@ One channel per deployment, chosen by the database and settings:
 - **Redis** (``REDIS_URL`` set, other databases): pub/sub on ``sage:wakeup``, published
   after the commit.
 - **Local socket** (the embedded SQLite default, or no Redis): each worker binds a Unix
-  datagram socket under ``.local/wakeup/``; the web process sends a datagram to every socket
-  there after the commit (a stale socket is removed).
+  datagram socket under ``wakeup/`` of the local directory (``SAGE_LOCAL_DIR``); the web
+  process sends a datagram to every socket there after the commit (a stale socket is
+  removed).
 
 Messages are ``kind`` or ``kind:payload``: ``run`` (a run became claimable), ``cancel:<run
 id>`` (a running run was asked to stop), ``ops`` (an operator request is waiting). A lost
@@ -42,7 +43,7 @@ OnWake = Callable[[str, str], None]
 
 
 def socket_dir() -> Path:
-    return Path(settings.BASE_DIR) / ".local" / "wakeup"
+    return Path(settings.LOCAL_DIR) / "wakeup"
 
 
 def redis_url() -> str | None:

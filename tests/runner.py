@@ -7,8 +7,10 @@ an unreachable one fails the run. pytest's exit code 5 (no tests ran) counts as 
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -41,6 +43,12 @@ def start(label: str, url: str, args: list[str]) -> tuple[subprocess.Popen, Any]
     env = {**os.environ, "DATABASE_URL": url, "SAGE_TEST_DB_NAME": f"test_sage_{os.getpid()}"}
     if url.startswith("sqlite"):
         env.pop("SAGE_TEST_DB_NAME")
+    # A local directory of its own: the runs side by side must not share the wake-up and
+    # live sockets (a worker of one sends to every socket there, and a socket queues only
+    # a few datagrams — another run's traffic filled it and its deltas were lost).
+    local = tempfile.mkdtemp(prefix=f"sage-{label.split()[0].lower()}-")
+    atexit.register(shutil.rmtree, local, True)
+    env["SAGE_LOCAL_DIR"] = local
     print(f"=== {label}: pytest {' '.join(args)} (started)", flush=True)
     log = tempfile.TemporaryFile(mode="w+", encoding="utf-8")
     process = subprocess.Popen(

@@ -243,3 +243,12 @@ def test_the_operations_guide_lists_every_check_id():
     guide = (ROOT / "docs" / "OPERATIONS.md").read_text()
     section = guide.split("## System checks", 1)[1].split("\n## ", 1)[0]
     assert [i for i in rule_ids() if f"`{i}`" not in section] == []
+
+
+def test_the_local_directory_is_the_projects_dot_local_unless_set(tmp_path):
+    assert config.load({}, base_dir="/srv/sage").values["SAGE_LOCAL_DIR"] == "/srv/sage/.local"
+    relative = config.load({"SAGE_LOCAL_DIR": "var/sage"}, base_dir="/srv/sage")
+    assert relative.values["SAGE_LOCAL_DIR"] == "/srv/sage/var/sage"
+    absolute = config.load({"SAGE_LOCAL_DIR": str(tmp_path)}, base_dir="/srv/sage")
+    assert absolute.values["SAGE_LOCAL_DIR"] == str(tmp_path)
+    assert not absolute.errors
