@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import sync_to_async
@@ -143,30 +143,26 @@ def pipelined(raw: Any) -> Any:
     return raw.pipeline()
 
 
-def implicit_transaction(at_once: bool) -> bool:
-    """Whether a pipelined block that would send ``BEGIN`` … ``COMMIT`` in the same round
-    trip (``at_once``) can leave both out: in pipeline mode every statement up to the sync
-    runs in one implicit transaction, which the sync commits — or rolls back after a failed
-    statement, leaving nothing to end — so the two statements (and a ``ROLLBACK`` round
-    trip after a refusal) are work for nothing. Not where libpq has no pipeline mode (each
-    statement would commit on its own), nor when the ``COMMIT`` is sent later."""
-    return at_once and pipeline_supported()
+@contextmanager
+def one_transaction(raw: Any, *, at_once: bool = True) -> Iterator[bool]:
+    """The block's statements, pipelined (`pipelined`) on the psycopg connection ``raw``, as
+    one transaction; yields whether it is an explicit one.
 
-
-def rollback(raw: Any) -> None:
-    """End the transaction open on the psycopg connection ``raw`` (a failed pipeline's),
-    keeping the connection's prepared statements. psycopg's own rollback — and a
-    ``ROLLBACK`` sent through a cursor — deallocates every prepared statement of the
-    connection, in case the transaction created an object one of them refers to; the hot
-    path's transactions create none, and without this every refused admission (a full
-    queue) made the connection plan its admission, its claim and its token lookup again."""
-    import psycopg
-
-    with raw.lock:
-        result = raw.pgconn.exec_(b"ROLLBACK")
-    if result.status != psycopg.pq.ExecStatus.COMMAND_OK:
-        message = raw.pgconn.get_error_message().decode(errors="replace").strip()
-        raise psycopg.OperationalError(f"rollback failed: {message or result.status.name}")
+    Committed at the block's end (``at_once``), it is the pipeline's implicit transaction:
+    PostgreSQL runs every statement up to the sync as one, which the sync commits — or rolls
+    back after a failed statement, leaving the connection idle — so no ``BEGIN``, no
+    ``COMMIT`` and, after a refusal, no ``ROLLBACK`` are sent (psycopg's rollback would
+    also deallocate every prepared statement of the connection, and the next admission,
+    claim and token lookup would be planned again). Otherwise — its ``COMMIT`` sent later
+    by the caller (a test's crash point before it), or no pipeline mode in libpq (each
+    statement would commit on its own) — the block begins with ``BEGIN``."""
+    explicit = not (at_once and pipeline_supported())
+    with pipelined(raw):
+        if explicit:
+            raw.execute("BEGIN")
+        yield explicit
+        if explicit and at_once:
+            raw.execute("COMMIT")
 
 
 @functools.cache
@@ -183,11 +179,14 @@ def _held_pipeline_class() -> type:
 
         holding = True
 
-        def _release(self) -> Any:
+        def _queue_all(self) -> None:
             # Every held statement into libpq's buffer (libpq writes nothing yet, below
-            # 64 KiB), for psycopg's loop to flush in one write.
+            # 64 KiB), to be written in one go.
             while self.command_queue:
                 self.command_queue.popleft()()
+
+        def _release(self) -> Any:
+            self._queue_all()
             yield from psycopg.Pipeline._communicate_gen(self)
 
         def _communicate_gen(self) -> Any:
@@ -208,8 +207,7 @@ def _held_pipeline_class() -> type:
             self.holding = False
             try:
                 self._enqueue_sync()
-                while self.command_queue:
-                    self.command_queue.popleft()()
+                self._queue_all()
                 yield from send(self.pgconn)  # all of it written
                 yield from psycopg.Pipeline._fetch_gen(self, flush=False)
             finally:

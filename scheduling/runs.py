@@ -70,7 +70,7 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
-from sageproject.db import implicit_transaction, pipelined, prepared, rollback
+from sageproject.db import one_transaction, pipelined, prepared
 from sageproject.errors import (
     ConflictError,
     ErrorCategory,
@@ -649,7 +649,7 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool
     statement starts after the lock is held, so what it reads is from after any wait for it.
 
     With ``commit`` (no transaction is open) the round trip is the whole transaction (the
-    pipeline's implicit one, `implicit_transaction`): a guard statement after the insert
+    pipeline's implicit one, `one_transaction`): a guard statement after the insert
     fails when the run was not inserted, which aborts the transaction — a place taken in the
     host's stripe while the user's was refused is never committed — and the statement's
     row, already received, says why. Without ``commit`` it runs in the caller's
@@ -677,20 +677,15 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool
     raw = connection.connection
     with connection.wrap_database_errors:
         try:
-            explicit = commit and not implicit_transaction(at_once=True)
-            with pipelined(raw):
-                if explicit:
-                    raw.execute("BEGIN")
+            with one_transaction(raw) if commit else pipelined(raw):
                 prepared(raw, lock_sql, [run.session_id, run.owner_id])
                 cursor = prepared(raw, sql, params)
                 if commit:
                     prepared(raw, guard_sql, [run.pk, 1])
-                if explicit:
-                    raw.execute("COMMIT")
         except Exception as exc:
             if commit:
                 if raw.pgconn.transaction_status != _IDLE:
-                    rollback(raw)
+                    raw.execute("ROLLBACK")
                 if not isinstance(exc, division_by_zero()):
                     raise
             else:
@@ -905,7 +900,7 @@ def _claim_pipelined(
     connection: Any, limit: int, duration: timedelta, statement: tuple[str, list[Any]]
 ) -> list[Grant]:
     """`claim` on PostgreSQL in one round trip (`pipelined`), one transaction (the
-    pipeline's implicit one, `implicit_transaction`): the claim lock with ``limit`` fencing
+    pipeline's implicit one, `one_transaction`): the claim lock with ``limit`` fencing
     tokens (the fence-sequence row), then the ``statement`` that picks and leases
     (`_claim_statement`). The statement starts after the lock is held, so it reads what the
     previous claim committed; the lock is held only while the database works, never across
@@ -922,14 +917,9 @@ def _claim_pipelined(
     sql, params = statement
     with connection.wrap_database_errors:
         try:
-            implicit = implicit_transaction(commit_at_once)
-            with pipelined(raw):
-                if not implicit:
-                    raw.execute("BEGIN")
-                tokens = _take_claim_lock(connection, limit, idle_timeout=not implicit)
+            with one_transaction(raw, at_once=commit_at_once) as explicit:
+                tokens = _take_claim_lock(connection, limit, idle_timeout=explicit)
                 leased = prepared(raw, sql, params)
-                if commit_at_once and not implicit:
-                    raw.execute("COMMIT")
             if tokens.fetchone() is None:
                 raise _FenceRowMissing
             rows = _leased_rows(connection, leased.fetchall())
@@ -940,7 +930,7 @@ def _claim_pipelined(
                 raw.execute("COMMIT")
         except BaseException:
             if raw.pgconn.transaction_status != _IDLE:
-                rollback(raw)
+                raw.execute("ROLLBACK")
             raise
     grants = [Grant.leased(row, duration) for row in rows]
     if grants:

@@ -41,7 +41,7 @@ from django.db import (
 )
 from django.utils import timezone
 
-from sageproject.db import db_call, implicit_transaction, pipeline_supported, rollback
+from sageproject.db import db_call, one_transaction, pipeline_supported
 from sageproject.errors import (
     ConflictError,
     NotFoundError,
@@ -506,7 +506,7 @@ class _Writer(threading.Thread):
         """The group commit on PostgreSQL in one round trip, whatever the batch's size.
 
         Sent together in libpq's pipeline mode, as one transaction (the pipeline's implicit
-        one, `implicit_transaction`): the run rows the commits' fences still own, locked in
+        one, `one_transaction`): the run rows the commits' fences still own, locked in
         id order (`runs.lock_fences`); the sessions' rows, locked in id order; each
         session's durable count moved on where it is still the count this process believes
         in; the events (one ``INSERT … UNNEST``); the run transitions
@@ -536,10 +536,7 @@ class _Writer(threading.Thread):
             raw = connection.connection
             with connection.wrap_database_errors:
                 try:
-                    implicit = implicit_transaction(at_once)
-                    with runs.pipelined(raw):
-                        if not implicit:
-                            raw.execute("BEGIN")
+                    with one_transaction(raw, at_once=at_once):
                         runs.lock_fences([c.fence for c in commits], connection)
                         runs.prepared(raw, lock_sessions, [[uuid.UUID(s) for s in sessions]])
                         runs.prepared(
@@ -562,8 +559,6 @@ class _Writer(threading.Thread):
                                 grouped.setdefault(many, []).append(commit.transition)
                         for many, group in grouped.items():
                             many(group, connection)
-                        if at_once and not implicit:
-                            raw.execute("COMMIT")
                     if not at_once:
                         runs.rearm_idle_timeout(raw)
                         for point in points:
@@ -571,7 +566,7 @@ class _Writer(threading.Thread):
                         raw.execute("COMMIT")
                 except BaseException:
                     if not raw.closed and raw.pgconn.transaction_status != _IDLE:
-                        rollback(raw)
+                        raw.execute("ROLLBACK")
                     raise
         except DatabaseError as exc:
             if connection.connection is None or connection.connection.closed:

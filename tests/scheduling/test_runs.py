@@ -144,9 +144,9 @@ def test_the_admission_and_the_claim_are_prepared_statements_on_postgresql(alice
 def test_a_refused_admission_keeps_the_connections_prepared_statements(
     alice, make_session, settings
 ):
-    """A refusal (the user's queue is full) ends the pipelined admission without psycopg's
-    rollback, which deallocates every prepared statement of the connection: the next
-    admission, claim or token lookup would be planned again."""
+    """A refusal (the user's queue is full) ends the pipelined admission with its sync, no
+    ``ROLLBACK`` sent: psycopg's rollback deallocates every prepared statement of the
+    connection, and the next admission, claim or token lookup would be planned again."""
     connection = connections["default"]
     if connection.vendor != "postgresql":
         pytest.skip("prepared statements are the PostgreSQL path's")
@@ -223,32 +223,39 @@ def test_a_pipeline_holds_its_statements_until_a_result_is_needed():
         assert raw.execute("SELECT 3").fetchone() == (3,)
 
 
-def test_a_pipeline_without_begin_is_one_transaction():
-    """What the admission, the claim and the group commit rely on when they send no
-    ``BEGIN`` and no ``COMMIT`` (`sageproject.db.implicit_transaction`): the statements up
-    to the pipeline's sync are one transaction, committed by the sync, or rolled back by it
-    after a failed statement, leaving the connection idle with nothing written."""
+def test_a_transaction_committed_at_once_sends_no_begin_and_is_still_one():
+    """What the admission, the claim and the group commit rely on (`one_transaction`): with
+    its commit at the block's end no ``BEGIN`` is queued, yet the statements up to the
+    pipeline's sync are one transaction, committed by the sync, or rolled back by it after
+    a failed statement, leaving the connection idle with nothing written. With the commit
+    left to the caller, the block begins one."""
     import psycopg
 
-    from sageproject.db import implicit_transaction, pipelined
+    from sageproject.db import one_transaction
 
     with _own_connection() as raw:
-        assert implicit_transaction(True) and not implicit_transaction(False)
         raw.execute("CREATE TEMPORARY TABLE t (x int)")
         with pytest.raises(psycopg.errors.DivisionByZero):
-            with pipelined(raw):
+            with one_transaction(raw) as explicit:
                 raw.execute("INSERT INTO t VALUES (1)")
+                assert not explicit and len(raw._pipeline.command_queue) == 1  # no BEGIN
                 raw.execute("SELECT 1 / 0")
         assert raw.pgconn.transaction_status == 0  # idle: nothing to roll back
         assert raw.execute("SELECT count(*) FROM t").fetchone() == (0,)
 
-        with pipelined(raw):
+        with one_transaction(raw):
             raw.execute("INSERT INTO t VALUES (2)")
             first = raw.execute("SELECT pg_current_xact_id()::text")
             second = raw.execute("SELECT pg_current_xact_id()::text")
         assert first.fetchone() == second.fetchone()  # one transaction
         assert raw.pgconn.transaction_status == 0
         assert raw.execute("SELECT count(*) FROM t").fetchone() == (1,)
+
+        with one_transaction(raw, at_once=False) as explicit:
+            raw.execute("INSERT INTO t VALUES (3)")
+        assert explicit and raw.pgconn.transaction_status == 2  # open: the caller commits
+        raw.execute("COMMIT")
+        assert raw.execute("SELECT count(*) FROM t").fetchone() == (2,)
 
 
 def test_a_suspended_run_keeps_its_sessions_turn(alice, make_session):
