@@ -283,35 +283,6 @@ def live_delta(item: Any, offset: int = 0) -> dict[str, Any] | None:
     return None
 
 
-class _LeasedProvider:
-    """The provider a budget wraps: one adapter bound to one leased client. It records the
-    call's time to its first streamed item and the tokens the provider reported in
-    ``metrics``; the budget calls `stream` once it holds a slot, so a wait for a slot is
-    not part of the time to first token."""
-
-    __slots__ = ("adapter", "client", "metrics", "model")
-
-    def __init__(self, adapter: Any, client: Any, metrics: Figures, model: str) -> None:
-        self.adapter = adapter
-        self.client = client
-        self.metrics = metrics
-        self.model = model
-
-    async def stream(self, request: ModelRequest) -> AsyncIterator[Any]:
-        sent = time.monotonic()
-        first = True
-        async with contextlib.aclosing(self.adapter.stream(self.client, request)) as inner:
-            async for item in inner:
-                if first:
-                    first = False
-                    self.metrics.observe(FIRST_TOKEN, time.monotonic() - sent, model=self.model)
-                if isinstance(item, StreamEnd):
-                    for kind in ("input", "output"):
-                        tokens = int(item.usage.get(f"{kind}_tokens", 0) or 0)
-                        self.metrics.count(MODEL_TOKENS, tokens, model=self.model, type=kind)
-                yield item
-
-
 class RunExecutor:
     """Executes runs for the worker.
 
@@ -560,22 +531,39 @@ class RunExecutor:
             run_id=str(run.run_id) if run is not None else None,
         ) as span:
             adapter = await load_adapter(record.protocol)
-            async with await self.pool.acquire(owner_id, record) as lease:
-                leased = _LeasedProvider(adapter, lease.provider, self.metrics, record.model)
-                bounded = self.budget.wrap(leased)
+            async with await self.pool.acquire(owner_id, record) as lease, self.budget.lease():
+                # The slot is held before the provider is asked (a budget error means no
+                # upstream request was sent), and its wait is not part of the first token.
+                sent = time.monotonic()
+                first = True
                 streamed = 0  # characters of this call's text already sent live
-                async for item in bounded.stream(request):
-                    span.observe(item)
-                    if run is not None:
-                        # Live to stream clients; never persisted (the complete message is).
-                        delta = live_delta(item, offset=streamed)
-                        if delta is not None:
-                            live.publish(
-                                {"session": str(run.session_id), "run": str(run.run_id), **delta}
+                ids = (
+                    None
+                    if run is None
+                    else {"session": str(run.session_id), "run": str(run.run_id)}
+                )
+                async with contextlib.aclosing(adapter.stream(lease.provider, request)) as items:
+                    async for item in items:
+                        if first:
+                            first = False
+                            self.metrics.observe(
+                                FIRST_TOKEN, time.monotonic() - sent, model=record.model
                             )
-                        if isinstance(item, TextDelta):
-                            streamed += len(item.text)
-                    yield item
+                        if isinstance(item, StreamEnd):
+                            for kind in ("input", "output"):
+                                tokens = int(item.usage.get(f"{kind}_tokens", 0) or 0)
+                                self.metrics.count(
+                                    MODEL_TOKENS, tokens, model=record.model, type=kind
+                                )
+                        span.observe(item)
+                        if ids is not None:
+                            # Live to stream clients; never persisted (the whole message is).
+                            delta = live_delta(item, offset=streamed)
+                            if delta is not None:
+                                live.publish({**ids, **delta})
+                            if isinstance(item, TextDelta):
+                                streamed += len(item.text)
+                        yield item
 
     def _turn(self, agent: PreparedAgent) -> AgentTurn:
         return AgentTurn(
