@@ -27,13 +27,12 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import AsyncIterator
 from operator import attrgetter
 from typing import Any
 
 from sageproject.errors import ErrorCategory, RateLimitedError
 
-__all__ = ["BoundedModelProvider", "ModelConcurrencyBudget"]
+__all__ = ["ModelConcurrencyBudget"]
 
 QUEUE_FULL_MESSAGE = "Model request queue is full; retry later."
 QUEUE_TIMEOUT_MESSAGE = "Model request timed out waiting for capacity; retry later."
@@ -156,16 +155,6 @@ class ModelConcurrencyBudget:
             "timed_out": self._timed_out,
         }
 
-    def wrap(self, provider: Any) -> BoundedModelProvider:
-        """Return ``provider`` bounded by this budget (idempotent for this budget).
-
-        The result's ``stream(request)`` holds one slot for the whole stream; every other
-        attribute is forwarded to ``provider``.
-        """
-        if isinstance(provider, BoundedModelProvider) and provider.budget is self:
-            return provider
-        return BoundedModelProvider(provider, self)
-
     # -- internals ------------------------------------------------------------------
 
     async def _acquire_slow(self) -> None:
@@ -244,60 +233,3 @@ class ModelConcurrencyBudget:
 
     def __repr__(self) -> str:
         return f"ModelConcurrencyBudget({self.snapshot()!r})"
-
-
-class BoundedModelProvider:
-    """A provider whose model calls each hold one slot of a ``ModelConcurrencyBudget``.
-
-    ``stream()`` and ``probe_capabilities()`` are bounded; everything else (including
-    ``capabilities()``) is forwarded to the wrapped provider unbounded.
-    """
-
-    __slots__ = ("_budget", "_provider")
-
-    def __init__(self, provider: Any, budget: ModelConcurrencyBudget) -> None:
-        self._provider = provider
-        self._budget = budget
-
-    @property
-    def budget(self) -> ModelConcurrencyBudget:
-        return self._budget
-
-    @property
-    def wrapped(self) -> Any:
-        return self._provider
-
-    async def stream(self, request: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        """Yield the wrapped provider's stream items while holding one budget slot.
-
-        The slot is taken before the provider is called (so a queue error means no
-        upstream request was sent) and returned when the stream is exhausted, fails, is
-        cancelled or is closed early with ``aclose()``; the inner stream is closed in
-        every case. Raises the budget's ``model.queue_full`` / ``model.queue_timeout``.
-        """
-        async with self._budget.lease():
-            inner = self._provider.stream(request, *args, **kwargs)
-            if not hasattr(inner, "__aiter__") and hasattr(inner, "__await__"):
-                inner = await inner
-            try:
-                async for item in inner:
-                    yield item
-            finally:
-                aclose = getattr(inner, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-
-    async def probe_capabilities(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the wrapped provider's ``probe_capabilities`` while holding one slot."""
-        async with self._budget.lease():
-            return await self._provider.probe_capabilities(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for attributes not defined here; keeps the wrapper transparent.
-        # The slot names are refused so a half-built copy cannot recurse forever.
-        if name in BoundedModelProvider.__slots__:
-            raise AttributeError(name)
-        return getattr(self._provider, name)
-
-    def __repr__(self) -> str:
-        return f"BoundedModelProvider({self._provider!r})"

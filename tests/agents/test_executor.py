@@ -14,12 +14,19 @@ from datetime import timedelta
 import pytest
 from asgiref.sync import sync_to_async
 
+from agents.applications import ModelRecordView
 from agents.executor import RunExecutor
+from pooling.budget import ModelConcurrencyBudget
+from pooling.providers.base import ModelRequest, TextDelta
+from sageproject.errors import SageError
 from scheduling import runs
 from scheduling.dispatcher import StopSignal
 from scheduling.models import Event, Run, RunStatus
 from scheduling.runs import Fence
 from tests.conftest import demo_manifest, scripted_model
+from tests.pooling.upstream import upstream_fixture
+
+upstream = upstream_fixture  # the loopback model server fixture
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -147,3 +154,92 @@ async def test_a_cancelled_run_ends_cancelled_with_the_events_it_made(executor, 
     committed = await events_of(run_id)
     assert (committed + [kind for kind, _ in outcome.events()]).count("run.started") == 1
     assert await status_of(run_id) == RunStatus.RUNNING
+
+
+# -- the model call: one budget slot for the whole stream -----------------------------------
+
+
+def _record(model: str = "m", **options) -> ModelRecordView:
+    return ModelRecordView(
+        id=1, protocol="scripted", base_url="", model=model, api_key="", options=options
+    )
+
+
+def _request(record: ModelRecordView) -> ModelRequest:
+    return ModelRequest(
+        model=record.model,
+        messages=({"role": "user", "content": "hi"},),
+        options=record.options,
+    )
+
+
+@pytest.fixture
+async def one_slot():
+    """An executor whose model calls share one budget slot, with nobody allowed to queue."""
+    executor = RunExecutor(budget=ModelConcurrencyBudget(1, max_waiting=0))
+    await executor.start()
+    yield executor
+    await executor.close()
+
+
+async def test_a_model_call_holds_one_slot_for_its_whole_stream(one_slot):
+    record = _record(script=[{"text": "a b c"}])
+    seen = []
+    async for item in one_slot._stream_model(record, 1, _request(record)):
+        seen.append((type(item).__name__, one_slot.budget.active))
+    assert seen == [("TextDelta", 1)] * 3 + [("StreamEnd", 1)]
+    assert one_slot.budget.snapshot()["active"] == 0
+
+
+async def test_a_failing_model_stream_gives_its_slot_back(one_slot):
+    record = _record(error={"status": 502, "body": "{}"}, error_after_tokens=1)
+    stream = one_slot._stream_model(record, 1, _request(record))
+    with pytest.raises(SageError) as caught:
+        async for _item in stream:
+            pass
+    assert caught.value.code == "upstream.error"
+    assert one_slot.budget.snapshot()["active"] == 0
+
+
+async def test_a_model_stream_closed_early_gives_its_slot_back(one_slot):
+    record = _record(script=[{"text": "a b c"}])
+    stream = one_slot._stream_model(record, 1, _request(record))
+    assert isinstance(await anext(stream), TextDelta)
+    assert one_slot.budget.active == 1
+    await stream.aclose()
+    assert one_slot.budget.snapshot()["active"] == 0
+
+
+async def test_a_cancelled_model_call_gives_its_slot_back(one_slot):
+    record = _record(script=[{"text": "a b c"}], token_delay_ms=60_000)
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _item in one_slot._stream_model(record, 1, _request(record)):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first.wait(), 10)
+    assert one_slot.budget.active == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert one_slot.budget.snapshot()["active"] == 0
+
+
+async def test_a_model_call_refused_by_the_budget_sends_no_upstream_request(one_slot, upstream):
+    record = ModelRecordView(
+        id=2,
+        protocol="openai",
+        base_url=upstream.openai_base_url,
+        model="gpt-test",
+        api_key="sk-test",
+        options={},
+    )
+    async with one_slot.budget.lease():  # the one slot is taken, and nobody may queue
+        with pytest.raises(SageError) as caught:
+            async for _item in one_slot._stream_model(record, 1, _request(record)):
+                pass
+    assert caught.value.code == "model.queue_full"
+    assert upstream.requests == []
+    assert one_slot.budget.snapshot()["active"] == 0
