@@ -140,7 +140,6 @@ class AgentManagementService:
         auto_release_idle_seconds: float | None = 300,
         model_budget: Any = None,
         clock: Callable[[], float] = time.monotonic,
-        validator: Callable[..., Awaitable[Any]] | None = None,
     ) -> None:
         if max_applications < 1:
             raise ValueError("max_applications must be at least 1")
@@ -157,7 +156,6 @@ class AgentManagementService:
         self._builder = builder
         self._probe = probe
         self._archiver = archiver
-        self._validator = validator
         self._clock = clock
         self._apps: dict[ApplicationKey, Application] = {}
         self._builds: dict[ApplicationKey, asyncio.Task[Application]] = {}

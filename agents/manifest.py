@@ -171,9 +171,6 @@ class Manifest:
         """The bundled files (path → text), as a fresh copy."""
         return dict(self._data["files"])
 
-    def has_agent(self, agent_id: str) -> bool:
-        return agent_id in self._data["agents"]
-
     def agent(self, agent_id: str) -> dict[str, Any]:
         """Return a copy of one agent's normalized definition.
 

@@ -104,10 +104,6 @@ class SessionEvent:
             self._payload = orjson.loads(self.data)  # type: ignore[arg-type]
         return self._payload
 
-    @property
-    def encoded(self) -> bool:
-        return self.data is not None
-
     def forget_encoding(self) -> None:
         """Drop the cached text (benchmarks time a cold full serialization with it)."""
         if self._payload is _MISSING:
