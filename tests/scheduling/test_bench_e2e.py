@@ -106,6 +106,8 @@ TINY = [
     "5,40",
     "--claim-repeat",
     "2",
+    "--history",
+    "8",
     "--timeout",
     "120",
 ]
@@ -132,6 +134,7 @@ def check_host_lines(by_path: dict[str, dict[str, Any]]) -> None:
     throughput = by_path["throughput"]
     assert THROUGHPUT_KEYS <= throughput.keys()
     assert throughput["n"] == 6
+    assert throughput["history"] == 8  # the runs executed before the paths, kept
     assert throughput["runs_ended"] == {"completed": 6}
     assert throughput["started_per_s"] > 0
 
@@ -208,3 +211,5 @@ def test_bad_options_are_refused() -> None:
         call_command("bench_e2e", "--peers", "rq", stdout=StringIO())
     with pytest.raises(CommandError, match="--n must be positive"):
         call_command("bench_e2e", "--n", "0", stdout=StringIO())
+    with pytest.raises(CommandError, match="--history must be positive"):
+        call_command("bench_e2e", "--history", "0", stdout=StringIO())
