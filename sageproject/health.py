@@ -5,7 +5,8 @@ Each check is a small function returning a `Check`: its name, ``ok`` / ``warn`` 
 database reachable, every migration applied, a worker heartbeat fresher than
 ``scheduling.models.SNAPSHOT_STALE_AFTER``); ``manage.py doctor`` runs `doctor` (those,
 and the settings, Redis when configured, the oldest queued run, runs stuck past their
-lease, the clock skew between this host and the database, and free disk space for SQLite).
+lease, the clock skew between this host and the database, PostgreSQL's autovacuum and table
+statistics, and free disk space for SQLite).
 
 Times of rows are compared on the database's clock (`scheduling.runs.db_now`; SQLite's is
 this host's). A check never shows a password: a database is named by host, port, name and
@@ -44,6 +45,9 @@ SKEW_FAIL_SECONDS = 10.0
 # Free space next to a SQLite database file.
 DISK_WARN_BYTES = 1 << 30  # 1 GiB
 DISK_FAIL_BYTES = 100 << 20  # 100 MiB
+# PostgreSQL: a table with more rows changed since its last ANALYZE than it holds (and at
+# least this many) has statistics too stale for the plans the run path depends on.
+STALE_CHANGES_MIN = 10_000
 REDIS_TIMEOUT_SECONDS = 1.0
 
 
@@ -351,6 +355,82 @@ def disk_check(directory: str, free: int) -> Check:
     return Check("disk", OK, detail, data=data)
 
 
+@dataclass(frozen=True, slots=True)
+class TableStatistics:
+    """What PostgreSQL's statistics say of one of the run path's tables."""
+
+    name: str
+    live_rows: int
+    changed_since_analyze: int
+    autovacuum_enabled: bool
+
+
+def check_statistics(alias: str = DEFAULT_DB_ALIAS) -> Check | None:
+    """PostgreSQL only (None elsewhere): autovacuum on, and the statistics of the run,
+    event and session tables not far behind what the tables hold."""
+    from scheduling.models import Event, Run, Session
+
+    connection = connections[alias]
+    if connection.vendor != "postgresql":
+        return None
+    names = [model._meta.db_table for model in (Run, Event, Session)]
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW autovacuum")
+        autovacuum = cursor.fetchone()[0] == "on"
+        cursor.execute(
+            "SELECT c.relname, COALESCE(s.n_live_tup, 0), COALESCE(s.n_mod_since_analyze, 0),"
+            " NOT COALESCE(c.reloptions, '{}') @> ARRAY['autovacuum_enabled=false']"
+            " FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid"
+            " WHERE c.oid = ANY(%s::regclass[]) ORDER BY c.relname",
+            [names],
+        )
+        tables = [TableStatistics(*row) for row in cursor.fetchall()]
+    return statistics_check(autovacuum, tables)
+
+
+def statistics_check(autovacuum: bool, tables: list[TableStatistics]) -> Check:
+    """The statistics check: a warning when autovacuum is off (for the server or one of
+    ``tables``), or when a table has changed more since its last ANALYZE than it holds.
+
+    Why it matters: a connection keeps the plan it made for a statement (the run path's are
+    prepared, and so are the foreign-key checks each commit makes) until the table's
+    statistics change. Planned while a table was small, an index lookup is a sequential
+    scan, which reads the whole table once it has grown."""
+    data = {
+        "autovacuum": autovacuum,
+        "tables": {
+            t.name: {
+                "live_rows": t.live_rows,
+                "changed_since_analyze": t.changed_since_analyze,
+                "autovacuum_enabled": t.autovacuum_enabled,
+            }
+            for t in tables
+        },
+    }
+    problems: list[str] = []
+    if not autovacuum:
+        problems.append("autovacuum is off")
+    elif off := [t.name for t in tables if not t.autovacuum_enabled]:
+        problems.append(f"autovacuum is off for {', '.join(off)}")
+    for t in tables:
+        if t.changed_since_analyze < max(STALE_CHANGES_MIN, t.live_rows):
+            continue
+        problems.append(
+            f"{t.name} has changed {t.changed_since_analyze:,} rows since its last ANALYZE"
+            f" ({t.live_rows:,} live)"
+        )
+    if problems:
+        return Check(
+            "statistics",
+            WARN,
+            "; ".join(problems),
+            "turn autovacuum on (or ANALYZE these tables as they grow): plans made while a"
+            " table was small read all of it once it is large",
+            data=data,
+        )
+    return Check("statistics", OK, "autovacuum on; statistics current", data=data)
+
+
 def redis_label(url: str) -> str:
     """A Redis URL without its credentials: ``host:port/db`` (or the socket path)."""
     parts = urlsplit(url)
@@ -423,9 +503,9 @@ def _guarded(name: str, fn: Callable[[], Any]) -> list[Check]:
 
 
 # The checks that read the database: "not checked" when it is unreachable.
-_NEED_DATABASE = ("migrations", "workers", "queue", "stuck_runs", "clock")
+_NEED_DATABASE = ("migrations", "workers", "queue", "stuck_runs", "clock", "statistics")
 # The checks that read the host's tables: "not checked" while migrations are pending.
-_NEED_TABLES = ("workers", "queue", "stuck_runs")
+_NEED_TABLES = ("workers", "queue", "stuck_runs", "statistics")
 
 
 def _checks(names: tuple[str, ...], *, probe: bool = False) -> list[Check]:
@@ -447,6 +527,7 @@ def _checks(names: tuple[str, ...], *, probe: bool = False) -> list[Check]:
         "queue": lambda: check_queue(db_time()),
         "stuck_runs": lambda: check_stuck_runs(db_time()),
         "clock": check_clock,
+        "statistics": check_statistics,
         "disk": check_disk,
     }
     checks: list[Check] = []
@@ -477,6 +558,7 @@ DOCTOR = (
     "queue",
     "stuck_runs",
     "clock",
+    "statistics",
     "disk",
 )
 

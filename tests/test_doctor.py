@@ -12,6 +12,7 @@ from io import StringIO
 import pytest
 from django.conf import settings as django_settings
 from django.core.management import call_command
+from django.db import connection
 from django.utils import timezone
 
 from sageproject import health
@@ -172,7 +173,8 @@ def test_the_text_report_is_one_aligned_line_per_check(no_redis):
     checks = [line for line in lines if not line.startswith(" ")]
     assert [line.split()[1] for line in checks] == [
         "settings", "database", "migrations", "redis", "workers", "queue", "stuck_runs",
-        "clock", *(["disk"] if "disk" in text else []),
+        "clock", *(["statistics"] if connection.vendor == "postgresql" else []),
+        *(["disk"] if "disk" in text else []),
     ]  # fmt: skip
     assert {line.index(line.split()[2]) for line in checks} == {18}  # details line up
     assert lines[lines.index(next(x for x in checks if " workers " in x)) + 1].startswith(
@@ -216,3 +218,44 @@ def test_sqlite_disk_thresholds(free, status):
     check = health.disk_check("/data", free)
     assert check.status == status
     assert check.data["free_bytes"] == free
+
+
+def _table(name="scheduling_run", live=100, changed=0, enabled=True) -> health.TableStatistics:
+    return health.TableStatistics(name, live, changed, enabled)
+
+
+@pytest.mark.parametrize(
+    ("autovacuum", "table", "status", "found"),
+    [
+        (True, _table(), "ok", "statistics current"),
+        (False, _table(), "warn", "autovacuum is off"),
+        (True, _table(enabled=False), "warn", "autovacuum is off for scheduling_run"),
+        (True, _table(live=100, changed=9_999), "ok", "statistics current"),
+        (True, _table(live=100, changed=10_000), "warn", "changed 10,000 rows"),
+        (True, _table(live=50_000, changed=40_000), "ok", "statistics current"),
+        (True, _table(live=50_000, changed=50_000), "warn", "(50,000 live)"),
+    ],
+)  # fmt: skip
+def test_statistics_thresholds(autovacuum, table, status, found):
+    check = health.statistics_check(autovacuum, [table])
+    assert (check.status, found in check.detail) == (status, True), check.detail
+    assert (
+        check.data["tables"]["scheduling_run"]["changed_since_analyze"]
+        == table.changed_since_analyze
+    )
+    assert bool(check.action) == (status == "warn")
+
+
+@pytest.mark.django_db
+def test_the_statistics_check_reads_the_servers_autovacuum_and_the_run_tables(no_redis):
+    _, checks = doctor_json()
+    if connection.vendor != "postgresql":
+        assert "statistics" not in checks  # PostgreSQL's planner only
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW autovacuum")
+        on = cursor.fetchone()[0] == "on"
+    statistics = checks["statistics"]
+    assert statistics["autovacuum"] is on
+    assert set(statistics["tables"]) == {"scheduling_run", "scheduling_event", "scheduling_session"}
+    assert ("autovacuum is off" in statistics["detail"]) == (not on)

@@ -25,7 +25,8 @@ from sageproject import health
 class Command(BaseCommand):
     help = (
         "Check this host: settings, database and migrations, Redis, live workers, the "
-        "queue, runs stuck past their lease, clock skew, disk space for SQLite. "
+        "queue, runs stuck past their lease, clock skew, PostgreSQL's autovacuum and "
+        "table statistics, disk space for SQLite. "
         "Exit status 1 when a check fails."
     )
 
