@@ -1,5 +1,5 @@
 """Running ORM work from the worker's event loop; prepared statements and pipelines on
-PostgreSQL.
+PostgreSQL; a named lock held for a transaction, on every supported database.
 
 Every blocking database call of the worker goes through ``db_call``: it runs in a thread
 (never on the loop) and gives the thread's connection back afterwards when the connection
@@ -12,13 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import InterfaceError, InternalError, OperationalError, close_old_connections
+from django.db import (
+    InterfaceError,
+    InternalError,
+    OperationalError,
+    close_old_connections,
+    connection,
+    transaction,
+)
 
 logger = logging.getLogger("sage.db")
 
@@ -219,3 +227,46 @@ def _held_pipeline_class() -> type:
             yield from super()._fetch_gen(flush=flush)
 
     return HeldPipeline
+
+
+# ------------------------------------------------------------------------ named locks
+
+LOCK_TIMEOUT_SECONDS = 30
+
+
+def _key(name: str) -> int:
+    # A stable signed 64-bit key for PostgreSQL's advisory lock space.
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+
+
+@contextmanager
+def named_lock(name: str) -> Iterator[None]:
+    """Run the body in a transaction holding the lock ``name`` until it has committed.
+
+    PostgreSQL: ``pg_advisory_xact_lock``; MySQL/MariaDB: ``GET_LOCK``, released after the
+    commit; SQLite: its IMMEDIATE transactions already serialize writers, so nothing to
+    take. Raises ``TimeoutError`` if the lock is not granted within 30 seconds.
+    """
+    vendor = connection.vendor
+    if vendor == "mysql":
+        # GET_LOCK belongs to the connection, not the transaction: take it before the
+        # transaction and release it only after the commit, so the next holder's reads
+        # (READ COMMITTED) already see what this one wrote.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT GET_LOCK(%s, %s)", [name[:64], LOCK_TIMEOUT_SECONDS])
+            (granted,) = cursor.fetchone()
+        if granted != 1:
+            raise TimeoutError(f"could not take lock {name!r}")
+        try:
+            with transaction.atomic():
+                yield
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT RELEASE_LOCK(%s)", [name[:64]])
+        return
+    with transaction.atomic():
+        if vendor == "postgresql":
+            # Released by the commit itself.
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_key(name)])
+        yield

@@ -19,7 +19,7 @@ from agents.models import AgentPackage, ReadinessReport, Visibility
 from agents.readiness import ReadinessResult, check_readiness, raise_if_not_ready
 from agents.skills import SkillRegistry
 from agents.tools import ToolRegistry, build_registry
-from sageproject.dblocks import named_lock
+from sageproject.db import named_lock
 from sageproject.errors import ConflictError, NotFoundError, ValidationError
 
 VALIDATION_SCOPE = "schema, composition and resource discovery; no quality evaluation"
