@@ -21,6 +21,7 @@ from pooling.providers.base import ModelRequest, TextDelta
 from sageproject.errors import SageError
 from scheduling import runs
 from scheduling.dispatcher import StopSignal
+from scheduling.figures import FIRST_TOKEN, MODEL_TOKENS
 from scheduling.models import Event, Run, RunStatus
 from scheduling.runs import Fence
 from tests.conftest import demo_manifest, scripted_model
@@ -189,6 +190,25 @@ async def test_a_model_call_holds_one_slot_for_its_whole_stream(one_slot):
         seen.append((type(item).__name__, one_slot.budget.active))
     assert seen == [("TextDelta", 1)] * 3 + [("StreamEnd", 1)]
     assert one_slot.budget.snapshot()["active"] == 0
+
+
+async def test_a_model_call_counts_its_time_to_first_token_and_its_tokens(one_slot):
+    record = _record(model="counted", script=[{"text": "a b c"}])
+    async for _item in one_slot._stream_model(record, 1, _request(record)):
+        pass
+    snapshot = one_slot.metrics.snapshot()
+    tokens = {
+        labels["type"]: value
+        for labels, value in snapshot["counters"][MODEL_TOKENS]
+        if labels["model"] == "counted"
+    }
+    assert tokens == {"input": 1, "output": 3}  # "hi" in, "a b c" out
+    (first,) = [
+        data
+        for labels, data in snapshot["histograms"][FIRST_TOKEN]["series"]
+        if labels == {"model": "counted"}
+    ]
+    assert first["count"] == 1
 
 
 async def test_a_failing_model_stream_gives_its_slot_back(one_slot):
