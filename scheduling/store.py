@@ -41,7 +41,7 @@ from django.db import (
 )
 from django.utils import timezone
 
-from sageproject.db import db_call, one_transaction, pipeline_supported
+from sageproject.db import db_call, one_transaction, pipeline_supported, prepared
 from sageproject.errors import (
     ConflictError,
     NotFoundError,
@@ -538,8 +538,8 @@ class _Writer(threading.Thread):
                 try:
                     with one_transaction(raw, at_once=at_once):
                         runs.lock_fences([c.fence for c in commits], connection)
-                        runs.prepared(raw, lock_sessions, [[uuid.UUID(s) for s in sessions]])
-                        runs.prepared(
+                        prepared(raw, lock_sessions, [[uuid.UUID(s) for s in sessions]])
+                        prepared(
                             raw,
                             move_sessions,
                             [
@@ -551,7 +551,7 @@ class _Writer(threading.Thread):
                             ],
                         )
                         if rows:
-                            runs.prepared(raw, insert_events, [*_event_columns(commits), rows])
+                            prepared(raw, insert_events, [*_event_columns(commits), rows])
                         grouped: dict[Any, list[Any]] = {}
                         for commit in commits:
                             if commit.transition is not None:

@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from agents import services
 from agents.models import ManagedAgentRecord
+from sageproject.db import one_transaction, pipelined
 from sageproject.errors import ConflictError, RateLimitedError
 from scheduling import runs
 from scheduling.models import Event, Run, RunStatus, Session
@@ -182,7 +183,7 @@ def test_a_transaction_left_open_after_a_pipeline_is_ended_once_rearmed():
     import psycopg
 
     with _own_connection() as raw:
-        with runs.pipelined(raw):
+        with pipelined(raw):
             raw.execute("BEGIN")
             raw.execute("SET LOCAL idle_in_transaction_session_timeout = 300")
             raw.execute("SELECT 1")
@@ -198,8 +199,6 @@ def test_a_pipeline_holds_its_statements_until_a_result_is_needed():
     result inside the block sends them, the block's end sends the rest, and a failed
     statement still fails the block and leaves the connection usable."""
     import psycopg
-
-    from sageproject.db import pipelined
 
     with _own_connection() as raw:
         with pipelined(raw):
@@ -230,8 +229,6 @@ def test_a_transaction_committed_at_once_sends_no_begin_and_is_still_one():
     a failed statement, leaving the connection idle with nothing written. With the commit
     left to the caller, the block begins one."""
     import psycopg
-
-    from sageproject.db import one_transaction
 
     with _own_connection() as raw:
         raw.execute("CREATE TEMPORARY TABLE t (x int)")
