@@ -252,3 +252,23 @@ def test_the_local_directory_is_the_projects_dot_local_unless_set(tmp_path):
     absolute = config.load({"SAGE_LOCAL_DIR": str(tmp_path)}, base_dir="/srv/sage")
     assert absolute.values["SAGE_LOCAL_DIR"] == str(tmp_path)
     assert not absolute.errors
+
+
+def test_the_wake_up_and_live_sockets_live_under_sage_local_dir(tmp_path):
+    # A process's view, from the environment on: the web and worker processes of one host
+    # meet at these sockets, and two hosts (or two test runs) must not.
+    code = (
+        "import django; django.setup(); "
+        "from scheduling import live, wakeups; "
+        "print(wakeups.socket_dir()); print(live.live_dir())"
+    )
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "sageproject.settings",
+        "SAGE_LOCAL_DIR": str(tmp_path),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(tmp_path / "wakeup"), str(tmp_path / "live")]
