@@ -531,39 +531,36 @@ class RunExecutor:
             run_id=str(run.run_id) if run is not None else None,
         ) as span:
             adapter = await load_adapter(record.protocol)
-            async with await self.pool.acquire(owner_id, record) as lease, self.budget.lease():
-                # The slot is held before the provider is asked (a budget error means no
-                # upstream request was sent), and its wait is not part of the first token.
-                sent = time.monotonic()
+            ids = None if run is None else {"session": str(run.session_id), "run": str(run.run_id)}
+            # The slot is held before the provider is asked (a budget error means no upstream
+            # request was sent); the stream sends nothing until it is first read.
+            async with (
+                await self.pool.acquire(owner_id, record) as lease,
+                self.budget.lease(),
+                contextlib.aclosing(adapter.stream(lease.provider, request)) as items,
+            ):
+                sent = time.monotonic()  # the slot's wait is not part of the first token
                 first = True
                 streamed = 0  # characters of this call's text already sent live
-                ids = (
-                    None
-                    if run is None
-                    else {"session": str(run.session_id), "run": str(run.run_id)}
-                )
-                async with contextlib.aclosing(adapter.stream(lease.provider, request)) as items:
-                    async for item in items:
-                        if first:
-                            first = False
-                            self.metrics.observe(
-                                FIRST_TOKEN, time.monotonic() - sent, model=record.model
-                            )
-                        if isinstance(item, StreamEnd):
-                            for kind in ("input", "output"):
-                                tokens = int(item.usage.get(f"{kind}_tokens", 0) or 0)
-                                self.metrics.count(
-                                    MODEL_TOKENS, tokens, model=record.model, type=kind
-                                )
-                        span.observe(item)
-                        if ids is not None:
-                            # Live to stream clients; never persisted (the whole message is).
-                            delta = live_delta(item, offset=streamed)
-                            if delta is not None:
-                                live.publish({**ids, **delta})
-                            if isinstance(item, TextDelta):
-                                streamed += len(item.text)
-                        yield item
+                async for item in items:
+                    if first:
+                        first = False
+                        self.metrics.observe(
+                            FIRST_TOKEN, time.monotonic() - sent, model=record.model
+                        )
+                    if isinstance(item, StreamEnd):
+                        for kind in ("input", "output"):
+                            tokens = int(item.usage.get(f"{kind}_tokens", 0) or 0)
+                            self.metrics.count(MODEL_TOKENS, tokens, model=record.model, type=kind)
+                    span.observe(item)
+                    if ids is not None:
+                        # Live to stream clients; never persisted (the whole message is).
+                        delta = live_delta(item, offset=streamed)
+                        if delta is not None:
+                            live.publish({**ids, **delta})
+                        if isinstance(item, TextDelta):
+                            streamed += len(item.text)
+                    yield item
 
     def _turn(self, agent: PreparedAgent) -> AgentTurn:
         return AgentTurn(
