@@ -369,7 +369,14 @@ def _workers_card(fleet: _Fleet, workers: list[dict]) -> dict[str, Any]:
                 f"{fleet.total('store', 'commits')} / {fleet.total('store', 'transactions')}",
             ),
             ("event commits refused", fleet.total("store", "rejected")),
+            ("leases lost", fleet.total("scheduler", "leases_lost")),
             ("wake-up channel", fleet.labels("scheduler", "wakeups", "channel")),
+            (
+                "live deltas sent / dropped",
+                f"{fleet.total('scheduler', 'live', 'sent')}"
+                f" / {fleet.total('scheduler', 'live', 'dropped')}",
+            ),
+            ("web sockets stuck full", fleet.total("scheduler", "live", "congested")),
         ],
         workers=True,
     )

@@ -14,7 +14,11 @@ one per web process) for the embedded default.
 Nothing here may slow a run: `LivePublisher.publish` only appends to a bounded queue that a
 background task drains (a full queue drops and counts), and each stream client reads from a
 bounded queue of its own (`Subscription`; a client that does not read loses deltas, counted,
-and never holds anything up).
+and never holds anything up). On the socket transport the kernel queues only a few datagrams
+per socket: a web process's socket that is full is offered the datagram again for
+``FULL_WAIT_SECONDS`` (a busy process catches up; what is published meanwhile goes out in
+fewer, larger datagrams) before it is dropped and counted, and a socket that stays full is
+not waited for again until it takes a datagram.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ REDIS_CHANNEL = "sage:live"
 MAX_PAYLOAD = 7000
 PUBLISH_QUEUE = 10_000
 SUBSCRIBER_QUEUE = 256
+# How long the socket transport keeps offering a datagram to a full socket, and how often.
+FULL_WAIT_SECONDS = 0.1
+FULL_RETRY_SECONDS = 0.001
 # The live delta types stream clients receive, each with the payload field that holds its
 # text (split in halves when a message is too large for one notification).
 DELTA_TEXT = {"message.delta": "text", "tool_call.delta": "arguments"}
@@ -69,6 +76,9 @@ class LivePublisher:
         self._queue: deque[bytes] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Socket transport: web processes' sockets that stayed full for FULL_WAIT_SECONDS
+        # (until one takes a datagram again, what does not fit is dropped at once).
+        self._congested: set[Path] = set()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"live-publisher-{self.kind}")
@@ -79,7 +89,12 @@ class LivePublisher:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def snapshot(self) -> dict[str, Any]:
-        return {"channel": self.kind, "sent": self.sent, "dropped": self.dropped}
+        return {
+            "channel": self.kind,
+            "sent": self.sent,
+            "dropped": self.dropped,
+            "congested": len(self._congested),
+        }
 
     def publish(self, message: dict[str, Any]) -> None:
         """Queue ``message`` (with a ``session`` key) for the stream clients."""
@@ -156,10 +171,29 @@ class LivePublisher:
                 async for batch in self._batches():
                     paths = list(live_dir().glob("*.sock")) if live_dir().is_dir() else []
                     # One datagram per batch (JSON lines): a receiver's queue holds few
-                    # datagrams (net.unix.max_dgram_qlen), not few messages.
+                    # datagrams (net.unix.max_dgram_qlen, 10 by default), not few messages.
                     for count, data in _datagrams(batch):
-                        self.dropped += count * send_datagram(sender, paths, data)
+                        full = send_datagram(sender, paths, data)
+                        self._congested.difference_update(set(paths) - set(full))
+                        if full:
+                            self.dropped += count * await self._wait_for(sender, full, data)
                     self.sent += len(batch)
+
+    async def _wait_for(self, sender: socket.socket, full: list[Path], data: bytes) -> int:
+        """Send ``data`` again to the sockets that were ``full`` until they take it, for at
+        most ``FULL_WAIT_SECONDS``; returns how many never did. A web process a few
+        datagrams behind (a busy machine) catches up within milliseconds, and what is
+        published meanwhile waits in this publisher's queue and goes out in fewer, larger
+        datagrams. A socket still full after the wait is congested (a stopped or stuck
+        process): it costs no further wait until it takes a datagram again."""
+        waiting = [path for path in full if path not in self._congested]
+        lost = len(full) - len(waiting)
+        deadline = asyncio.get_running_loop().time() + FULL_WAIT_SECONDS
+        while waiting and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(FULL_RETRY_SECONDS)
+            waiting = send_datagram(sender, waiting, data)
+        self._congested.update(waiting)
+        return lost + len(waiting)
 
 
 # The largest datagram the socket transport sends (well under the kernel's limits).

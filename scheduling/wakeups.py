@@ -108,18 +108,18 @@ def _send_sockets(message: str) -> None:
         send_datagram(sender, directory.glob("*.sock"), message.encode())
 
 
-def send_datagram(sender: socket.socket, paths: Iterable[Path], data: bytes) -> int:
+def send_datagram(sender: socket.socket, paths: Iterable[Path], data: bytes) -> list[Path]:
     """Send ``data`` from the non-blocking ``sender`` to every socket in ``paths``; a socket
     that refuses it or is gone is removed (its process will never read it again). Returns
-    how many sockets were too full to take it."""
-    full = 0
+    the sockets that were too full to take it."""
+    full: list[Path] = []
     for path in paths:
         try:
             sender.sendto(data, str(path))
         except (ConnectionRefusedError, FileNotFoundError):
             _remove(path)
         except BlockingIOError:
-            full += 1
+            full.append(path)
     return full
 
 

@@ -72,7 +72,9 @@ def test_it_shows_the_capacity_page(staff_client):
                                "code_tools": {"enabled": True, "pools": {"python": {
                                    "created": 4, "in_use": 2, "max": 8,
                                    "history": [[0, 1, 0], [60, 4, 2]]}}}},
-                  "store": {"commits": 120, "transactions": 45, "rejected": 2}},
+                  "store": {"commits": 120, "transactions": 45, "rejected": 2},
+                  "scheduler": {"live": {"channel": "socket", "sent": 9100, "dropped": 37,
+                                         "congested": 1}}},
     )
     response = staff_client.get(reverse("admin:capacity"))
     assert response.status_code == 200
@@ -83,6 +85,9 @@ def test_it_shows_the_capacity_page(staff_client):
     assert 'id="card-model-calls"' in content
     # The session store's group commit: commits per transaction, and what it refused.
     assert "120 / 45" in content and "event commits refused" in content
+    # Live deltas: sent and dropped, and web processes' sockets found stuck full.
+    assert "live deltas sent / dropped" in content and "9100 / 37" in content
+    assert "web sockets stuck full" in content
     # The pool's history is drawn as a chart of its own, on the server.
     assert 'data-chart="code-tools-python-interpreters"' in content
     assert '<path class="sage-line"' in content

@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import uuid
 from typing import Any
 
+import orjson
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connection, transaction
@@ -131,6 +134,98 @@ async def test_a_live_hub_listens_again_after_its_channel_drops(transport, monke
         await publisher.close()
     assert message is not None and message["seq"] == 1
     assert (attempts, hub.reconnects) == (2, 1)
+
+
+# --------------------------------------------------- the socket transport's full sockets
+
+
+def _receiver() -> socket.socket:
+    """A web process's socket in the live directory that this test reads when it likes."""
+    live.live_dir().mkdir(parents=True, exist_ok=True)
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(str(live.live_dir() / f"test-{uuid.uuid4().hex[:8]}.sock"))
+    receiver.setblocking(False)
+    return receiver
+
+
+def _read(receiver: socket.socket, into: list[dict[str, Any]]) -> int:
+    """Read what ``receiver`` holds into ``into``; returns how many messages it has."""
+    while True:
+        try:
+            data = receiver.recv(1 << 20)
+        except BlockingIOError:
+            return len(into)
+        into += [orjson.loads(line) for line in data.split(b"\n")]
+
+
+async def _publish_one_by_one(publisher: live.LivePublisher, n: int, start: int = 0) -> None:
+    """``n`` deltas, each sent on its own (a datagram each) before the next is published."""
+    for i in range(start, start + n):
+        publisher.publish({"session": "s", "type": "message.delta", "payload": {"text": str(i)}})
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+
+async def _until(condition, seconds: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "not reached in time"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def socket_transport(transport) -> None:
+    if transport != "socket":
+        pytest.skip("the socket transport is the embedded default's (no Redis, no PostgreSQL)")
+
+
+async def test_a_socket_that_falls_behind_gets_every_delta_once_it_reads(
+    socket_transport, monkeypatch
+):
+    # The kernel queues ten datagrams per socket by default; a process that reads late
+    # (a busy machine) is offered them again instead of losing them.
+    monkeypatch.setattr(live, "FULL_WAIT_SECONDS", 30.0)
+    receiver = _receiver()
+    publisher = live.LivePublisher()
+    await publisher.start()
+    received: list[dict[str, Any]] = []
+    try:
+        await _publish_one_by_one(publisher, 60)
+        await _until(lambda: _read(receiver, received) >= 60)
+    finally:
+        await publisher.close()
+        receiver.close()
+    assert [m["payload"]["text"] for m in received] == [str(i) for i in range(60)]
+    assert publisher.snapshot()["dropped"] == 0
+    assert publisher.snapshot()["congested"] == 0
+
+
+async def test_a_socket_that_stays_full_loses_deltas_counted_until_it_reads_again(
+    socket_transport, monkeypatch
+):
+    monkeypatch.setattr(live, "FULL_WAIT_SECONDS", 0.05)
+    receiver = _receiver()
+    publisher = live.LivePublisher()
+    await publisher.start()
+    queued: list[dict[str, Any]] = []
+    received: list[dict[str, Any]] = []
+    try:
+        await _publish_one_by_one(publisher, 60)
+        await _until(lambda: publisher.sent >= 60)
+        # A stuck process: what did not fit was dropped and counted, and its socket is
+        # congested (no further wait for it).
+        assert publisher.snapshot()["dropped"] > 0
+        assert publisher.snapshot()["congested"] == 1
+        assert 0 < _read(receiver, queued) < 60
+        assert len(queued) + publisher.dropped == 60
+        # It reads again: the next delta is delivered and the socket is no longer congested.
+        await _publish_one_by_one(publisher, 1, start=60)
+        await _until(lambda: _read(receiver, received) >= 1)
+    finally:
+        await publisher.close()
+        receiver.close()
+    assert [m["payload"]["text"] for m in received] == ["60"]
+    assert publisher.snapshot()["congested"] == 0
 
 
 # ------------------------------------------------------------------ lost wake-ups (processes)
