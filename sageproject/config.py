@@ -340,6 +340,14 @@ def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
         # turns them off for a pooler that cannot keep prepared statements.
         prepared = query.pop("prepared", "1").lower() in _TRUE
         options["prepare_threshold"] = PREPARE_EXPLICIT_ONLY if prepared else None
+        if prepared:
+            # ... and always run on the plan made once (a generic plan). Left to choose,
+            # PostgreSQL compared each execution's estimated cost with the generic plan's
+            # and, for the claim, went on planning every call (1.3 to 1.9 ms of the
+            # database's CPU per claim against 0.4 to 1.2 ms of running it) once its
+            # statistics saw many queued runs. The generic plans run no slower. Only these
+            # statements are prepared, so nothing else is affected.
+            options["options"] += " -c plan_cache_mode=force_generic_plan"
         options.update(query)
         return {
             **_server_entry(parts, "postgresql", name="postgres", user="", host="", port=""),

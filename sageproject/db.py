@@ -108,7 +108,9 @@ async def retry_transient(
 
 def prepared(raw: Any, sql: str, params: Sequence[Any] = ()) -> Any:
     """Execute ``sql`` on the psycopg connection ``raw`` as a prepared statement — parsed
-    and planned the first time on each connection, after that only bound and run — and
+    and planned the first time on each connection, after that only bound and run (the
+    connection's ``plan_cache_mode`` is ``force_generic_plan``, `sageproject.config`:
+    PostgreSQL would otherwise plan some statements again for every run's values) — and
     return its cursor (in a pipeline, its rows arrive with the pipeline's results). For
     the hot path's own statements: the claim's, the admission's, the group commit's and
     the API token lookup, which cost more to plan than to run (the claim's about 1.3 ms

@@ -73,8 +73,10 @@ def test_it_parses_server_database_urls():
     assert "idle_in_transaction_session_timeout" in pg["OPTIONS"]["options"]
     # Only the statements executed with prepare=True are prepared; prepared=0 turns them off.
     assert pg["OPTIONS"]["prepare_threshold"] == config.PREPARE_EXPLICIT_ONLY
+    assert "plan_cache_mode=force_generic_plan" in pg["OPTIONS"]["options"]
     off = config.parse_database_url("postgres://u@db/sage?prepared=0", base_dir="/x")
     assert off["OPTIONS"]["prepare_threshold"] is None
+    assert "plan_cache_mode" not in off["OPTIONS"]["options"]
     assert "prepared" not in off["OPTIONS"]
     my = config.parse_database_url("mysql://root@127.0.0.1:3306/test", base_dir="/x")
     assert my["OPTIONS"]["charset"] == "utf8mb4"
