@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -139,13 +141,20 @@ async def test_a_live_hub_listens_again_after_its_channel_drops(transport, monke
 # --------------------------------------------------- the socket transport's full sockets
 
 
-def _receiver() -> socket.socket:
-    """A web process's socket in the live directory that this test reads when it likes."""
+@contextlib.asynccontextmanager
+async def _publisher_and_receiver() -> AsyncIterator[tuple[live.LivePublisher, socket.socket]]:
+    """A worker's publisher, and a web process's socket in the live directory that the
+    test reads when it likes."""
     live.live_dir().mkdir(parents=True, exist_ok=True)
-    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    receiver.bind(str(live.live_dir() / f"test-{uuid.uuid4().hex[:8]}.sock"))
-    receiver.setblocking(False)
-    return receiver
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as receiver:
+        receiver.bind(str(live.live_dir() / f"test-{uuid.uuid4().hex[:8]}.sock"))
+        receiver.setblocking(False)
+        publisher = live.LivePublisher()
+        await publisher.start()
+        try:
+            yield publisher, receiver
+        finally:
+            await publisher.close()
 
 
 def _read(receiver: socket.socket, into: list[dict[str, Any]]) -> int:
@@ -185,16 +194,10 @@ async def test_a_socket_that_falls_behind_gets_every_delta_once_it_reads(
     # The kernel queues ten datagrams per socket by default; a process that reads late
     # (a busy machine) is offered them again instead of losing them.
     monkeypatch.setattr(live, "FULL_WAIT_SECONDS", 30.0)
-    receiver = _receiver()
-    publisher = live.LivePublisher()
-    await publisher.start()
     received: list[dict[str, Any]] = []
-    try:
+    async with _publisher_and_receiver() as (publisher, receiver):
         await _publish_one_by_one(publisher, 60)
         await _until(lambda: _read(receiver, received) >= 60)
-    finally:
-        await publisher.close()
-        receiver.close()
     assert [m["payload"]["text"] for m in received] == [str(i) for i in range(60)]
     assert publisher.snapshot()["dropped"] == 0
     assert publisher.snapshot()["congested"] == 0
@@ -204,12 +207,9 @@ async def test_a_socket_that_stays_full_loses_deltas_counted_until_it_reads_agai
     socket_transport, monkeypatch
 ):
     monkeypatch.setattr(live, "FULL_WAIT_SECONDS", 0.05)
-    receiver = _receiver()
-    publisher = live.LivePublisher()
-    await publisher.start()
     queued: list[dict[str, Any]] = []
     received: list[dict[str, Any]] = []
-    try:
+    async with _publisher_and_receiver() as (publisher, receiver):
         await _publish_one_by_one(publisher, 60)
         await _until(lambda: publisher.sent >= 60)
         # A stuck process: what did not fit was dropped and counted, and its socket is
@@ -221,9 +221,6 @@ async def test_a_socket_that_stays_full_loses_deltas_counted_until_it_reads_agai
         # It reads again: the next delta is delivered and the socket is no longer congested.
         await _publish_one_by_one(publisher, 1, start=60)
         await _until(lambda: _read(receiver, received) >= 1)
-    finally:
-        await publisher.close()
-        receiver.close()
     assert [m["payload"]["text"] for m in received] == ["60"]
     assert publisher.snapshot()["congested"] == 0
 
