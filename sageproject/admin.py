@@ -376,7 +376,10 @@ def _workers_card(fleet: _Fleet, workers: list[dict]) -> dict[str, Any]:
                 f"{fleet.total('scheduler', 'live', 'sent')}"
                 f" / {fleet.total('scheduler', 'live', 'dropped')}",
             ),
-            ("web sockets stuck full", fleet.total("scheduler", "live", "congested")),
+            (
+                "web processes stuck (live socket full)",
+                fleet.total("scheduler", "live", "congested"),
+            ),
         ],
         workers=True,
     )

@@ -87,7 +87,7 @@ def test_it_shows_the_capacity_page(staff_client):
     assert "120 / 45" in content and "event commits refused" in content
     # Live deltas: sent and dropped, and web processes' sockets found stuck full.
     assert "live deltas sent / dropped" in content and "9100 / 37" in content
-    assert "web sockets stuck full" in content
+    assert "web processes stuck (live socket full)" in content
     # The pool's history is drawn as a chart of its own, on the server.
     assert 'data-chart="code-tools-python-interpreters"' in content
     assert '<path class="sage-line"' in content
