@@ -279,6 +279,23 @@ def test_a_claim_that_looks_first_takes_no_lock_when_nothing_is_queued():
     assert any(q["sql"].startswith("BEGIN") for q in pushed)  # the claim transaction ran
 
 
+def test_a_claim_looks_for_work_and_for_dead_leases_in_one_statement(rows: Rows):
+    queued = rows.run("q", "alice", status=RunStatus.QUEUED)
+    dead = rows.leased("d", "bob", owner="gone", token=1, expires_at=timezone.now() - LEASE)
+    with CaptureQueriesContext(connection) as captured:
+        grants, reaped = runs.claim(worker_id="w", duration=LEASE, reap=True)
+    # Work and a dead lease, found by one look before the claim's transaction (there were
+    # two: any work at all, then dead leases).
+    looks = []
+    for query in captured:
+        if query["sql"].startswith("BEGIN"):
+            break
+        if "scheduling_run" in query["sql"]:
+            looks.append(query["sql"])
+    assert len(looks) == 1, looks
+    assert reaped == [dead] and [str(g.row["pk"]) for g in grants] == [queued]
+
+
 async def test_it_counts_the_quota_from_running_root_runs_in_the_database(rows: Rows):
     # Another worker's running runs count: alice already has two.
     for key in ("x1", "x2"):
