@@ -15,15 +15,16 @@ Nothing here may slow a run: `LivePublisher.publish` only appends to a bounded q
 background task drains (a full queue drops and counts), and each stream client reads from a
 bounded queue of its own (`Subscription`; a client that does not read loses deltas, counted,
 and never holds anything up). On the socket transport the kernel queues only a few datagrams
-per socket: a web process's socket that is full is offered the datagram again for
-``FULL_WAIT_SECONDS`` (a busy process catches up; what is published meanwhile goes out in
-fewer, larger datagrams) before it is dropped and counted, and a socket that stays full is
-not waited for again until it takes a datagram.
+per socket: what a web process's full socket cannot take waits in a backlog of that socket's
+own, offered again for up to ``FULL_WAIT_SECONDS`` (a busy process catches up) while the
+other web processes get theirs at once, then it is dropped and counted; a socket that stays
+full gets no backlog until it takes a datagram again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -76,8 +77,11 @@ class LivePublisher:
         self._queue: deque[bytes] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        # Socket transport: web processes' sockets that stayed full for FULL_WAIT_SECONDS
-        # (until one takes a datagram again, what does not fit is dropped at once).
+        # Socket transport: what waits for a web process's full socket, per socket, as
+        # [time first refused, messages, datagram] (see `_offer`); and the sockets that
+        # stayed full for FULL_WAIT_SECONDS (until one takes a datagram again, what does
+        # not fit is dropped at once).
+        self._backlog: dict[Path, deque[list[Any]]] = {}
         self._congested: set[Path] = set()
 
     async def start(self) -> None:
@@ -129,9 +133,17 @@ class LivePublisher:
                 delay = min(delay * 2, 5.0)
 
     async def _batches(self) -> Any:
+        """Batches of queued messages as they come; while datagrams wait for a full socket,
+        also an empty batch every ``FULL_RETRY_SECONDS`` (time to offer them again)."""
         while True:
-            await self._wake.wait()
+            if self._backlog:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), FULL_RETRY_SECONDS)
+            else:
+                await self._wake.wait()
             self._wake.clear()
+            if not self._queue:
+                yield []
             while self._queue:
                 batch = [self._queue.popleft() for _ in range(min(len(self._queue), 64))]
                 yield batch
@@ -143,6 +155,8 @@ class LivePublisher:
             conn = await psycopg.AsyncConnection.connect(**pg_params(self.using), autocommit=True)
             try:
                 async for batch in self._batches():
+                    if not batch:
+                        continue
                     # One statement for the whole batch: one round trip.
                     marks = ", ".join(["pg_notify(%s, %s)"] * len(batch))
                     args: list[Any] = []
@@ -158,6 +172,8 @@ class LivePublisher:
             client = aioredis.Redis.from_url(redis_url())
             try:
                 async for batch in self._batches():
+                    if not batch:
+                        continue
                     async with client.pipeline(transaction=False) as pipe:
                         for data in batch:
                             pipe.publish(REDIS_CHANNEL, data)
@@ -169,31 +185,58 @@ class LivePublisher:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
                 sender.setblocking(False)
                 async for batch in self._batches():
+                    now = asyncio.get_running_loop().time()
+                    self._retry(sender, now)
+                    if not batch:
+                        continue
                     paths = list(live_dir().glob("*.sock")) if live_dir().is_dir() else []
                     # One datagram per batch (JSON lines): a receiver's queue holds few
                     # datagrams (net.unix.max_dgram_qlen, 10 by default), not few messages.
                     for count, data in _datagrams(batch):
-                        full = send_datagram(sender, paths, data)
-                        self._congested.difference_update(set(paths) - set(full))
-                        if full:
-                            self.dropped += count * await self._wait_for(sender, full, data)
+                        for path in paths:
+                            self._offer(sender, path, count, data, now)
                     self.sent += len(batch)
 
-    async def _wait_for(self, sender: socket.socket, full: list[Path], data: bytes) -> int:
-        """Send ``data`` again to the sockets that were ``full`` until they take it, for at
-        most ``FULL_WAIT_SECONDS``; returns how many never did. A web process a few
-        datagrams behind (a busy machine) catches up within milliseconds, and what is
-        published meanwhile waits in this publisher's queue and goes out in fewer, larger
-        datagrams. A socket still full after the wait is congested (a stopped or stuck
-        process): it costs no further wait until it takes a datagram again."""
-        waiting = [path for path in full if path not in self._congested]
-        lost = len(full) - len(waiting)
-        deadline = asyncio.get_running_loop().time() + FULL_WAIT_SECONDS
-        while waiting and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(FULL_RETRY_SECONDS)
-            waiting = send_datagram(sender, waiting, data)
-        self._congested.update(waiting)
-        return lost + len(waiting)
+    def _offer(
+        self, sender: socket.socket, path: Path, count: int, data: bytes, now: float
+    ) -> None:
+        """Send a datagram of ``count`` messages to one web process's socket. One that is
+        full keeps it in its backlog, to be offered again (`_retry`) for up to
+        ``FULL_WAIT_SECONDS``: a web process a few datagrams behind (a busy machine) catches
+        up within milliseconds, and meanwhile the others get theirs at once. What follows
+        joins the backlog's last datagram while it fits (fewer, larger datagrams once the
+        process reads again). A congested socket (it stayed full: a stopped or stuck
+        process) gets no backlog: what it cannot take is dropped, counted."""
+        backlog = self._backlog.get(path)
+        if backlog:
+            last = backlog[-1]
+            if len(last[2]) + 1 + len(data) <= MAX_DATAGRAM:
+                last[1] += count
+                last[2] += b"\n" + data
+            else:
+                backlog.append([now, count, data])
+            return
+        if not send_datagram(sender, [path], data):
+            self._congested.discard(path)
+        elif path in self._congested:
+            self.dropped += count
+        else:
+            self._backlog[path] = deque([[now, count, data]])
+
+    def _retry(self, sender: socket.socket, now: float) -> None:
+        """Offer the backlogs' datagrams again, in order; a socket whose oldest datagram has
+        waited ``FULL_WAIT_SECONDS`` loses its backlog (dropped, counted) and is congested."""
+        for path, backlog in list(self._backlog.items()):
+            while backlog and not send_datagram(sender, [path], backlog[0][2]):
+                backlog.popleft()
+                if not path.exists():  # its process is gone (the socket was removed)
+                    backlog.clear()
+            if not backlog:
+                del self._backlog[path]
+            elif now - backlog[0][0] >= FULL_WAIT_SECONDS:
+                self.dropped += sum(entry[1] for entry in backlog)
+                del self._backlog[path]
+                self._congested.add(path)
 
 
 # The largest datagram the socket transport sends (well under the kernel's limits).

@@ -142,17 +142,23 @@ async def test_a_live_hub_listens_again_after_its_channel_drops(transport, monke
 
 
 @contextlib.asynccontextmanager
-async def _publisher_and_receiver() -> AsyncIterator[tuple[live.LivePublisher, socket.socket]]:
-    """A worker's publisher, and a web process's socket in the live directory that the
+async def _publisher_and_receivers(
+    n: int = 1,
+) -> AsyncIterator[tuple[live.LivePublisher, list[socket.socket]]]:
+    """A worker's publisher, and ``n`` web processes' sockets in the live directory that the
     test reads when it likes."""
     live.live_dir().mkdir(parents=True, exist_ok=True)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as receiver:
-        receiver.bind(str(live.live_dir() / f"test-{uuid.uuid4().hex[:8]}.sock"))
-        receiver.setblocking(False)
+    with contextlib.ExitStack() as sockets:
+        receivers = []
+        for _ in range(n):
+            receiver = sockets.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))
+            receiver.bind(str(live.live_dir() / f"test-{uuid.uuid4().hex[:8]}.sock"))
+            receiver.setblocking(False)
+            receivers.append(receiver)
         publisher = live.LivePublisher()
         await publisher.start()
         try:
-            yield publisher, receiver
+            yield publisher, receivers
         finally:
             await publisher.close()
 
@@ -195,7 +201,7 @@ async def test_a_socket_that_falls_behind_gets_every_delta_once_it_reads(
     # (a busy machine) is offered them again instead of losing them.
     monkeypatch.setattr(live, "FULL_WAIT_SECONDS", 30.0)
     received: list[dict[str, Any]] = []
-    async with _publisher_and_receiver() as (publisher, receiver):
+    async with _publisher_and_receivers() as (publisher, [receiver]):
         await _publish_one_by_one(publisher, 60)
         await _until(lambda: _read(receiver, received) >= 60)
     assert [m["payload"]["text"] for m in received] == [str(i) for i in range(60)]
@@ -209,11 +215,11 @@ async def test_a_socket_that_stays_full_loses_deltas_counted_until_it_reads_agai
     monkeypatch.setattr(live, "FULL_WAIT_SECONDS", 0.05)
     queued: list[dict[str, Any]] = []
     received: list[dict[str, Any]] = []
-    async with _publisher_and_receiver() as (publisher, receiver):
+    async with _publisher_and_receivers() as (publisher, [receiver]):
         await _publish_one_by_one(publisher, 60)
-        await _until(lambda: publisher.sent >= 60)
-        # A stuck process: what did not fit was dropped and counted, and its socket is
-        # congested (no further wait for it).
+        # A stuck process: what did not fit waited its time, then was dropped and
+        # counted, and its socket is congested (no further wait for it).
+        await _until(lambda: publisher.sent >= 60 and publisher.snapshot()["congested"] == 1)
         assert publisher.snapshot()["dropped"] > 0
         assert publisher.snapshot()["congested"] == 1
         assert 0 < _read(receiver, queued) < 60
@@ -223,6 +229,22 @@ async def test_a_socket_that_stays_full_loses_deltas_counted_until_it_reads_agai
         await _until(lambda: _read(receiver, received) >= 1)
     assert [m["payload"]["text"] for m in received] == ["60"]
     assert publisher.snapshot()["congested"] == 0
+
+
+async def test_a_web_process_that_reads_late_holds_up_no_other(socket_transport, monkeypatch):
+    # One web process does not read (yet); another does: it gets every delta while the
+    # first one's wait for its full socket has long to run.
+    monkeypatch.setattr(live, "FULL_WAIT_SECONDS", 300.0)
+    late: list[dict[str, Any]] = []
+    prompt: list[dict[str, Any]] = []
+    async with _publisher_and_receivers(2) as (publisher, [stuck, reading]):
+        await _publish_one_by_one(publisher, 60)
+        await _until(lambda: _read(reading, prompt) >= 60, seconds=20)
+        assert _read(stuck, late) < 60  # its socket filled up: the rest waits for it
+        await _until(lambda: _read(stuck, late) >= 60)
+    assert [m["payload"]["text"] for m in prompt] == [str(i) for i in range(60)]
+    assert [m["payload"]["text"] for m in late] == [str(i) for i in range(60)]
+    assert publisher.snapshot()["dropped"] == 0
 
 
 # ------------------------------------------------------------------ lost wake-ups (processes)
