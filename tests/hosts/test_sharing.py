@@ -320,11 +320,11 @@ async def admitted_job(runtime: Any) -> str:
 @pytest.mark.redis
 async def test_a_job_whose_worker_stops_reporting_is_failed_and_gives_its_slot_back(job_prefix):
     from agents.jobs import JobState
-    from tests.agents.conftest_jobs import celery_app, celery_runtime
+    from tests.agents.conftest_jobs import celery_app, celery_runtime, delete_keys
 
+    queue = f"nobody-{uuid.uuid4().hex[:8]}"
     runtime = celery_runtime(
-        job_prefix, celery_app=celery_app(), queue=f"nobody-{uuid.uuid4().hex[:8]}",
-        kinds={"sleep"}, max_concurrent_jobs=1,
+        job_prefix, celery_app=celery_app(), queue=queue, kinds={"sleep"}, max_concurrent_jobs=1,
     )  # fmt: skip
     store = runtime.store
     try:
@@ -356,6 +356,9 @@ async def test_a_job_whose_worker_stops_reporting_is_failed_and_gives_its_slot_b
         assert await store.finish(second, JobState.COMPLETED) is True
     finally:
         await runtime.close()
+        # The queue nobody consumed, with its two messages, and kombu's bindings of it.
+        for pattern in (queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}"):
+            delete_keys(pattern)
 
 
 # ------------------------------------------------------------------------------ simulated hosts
