@@ -216,7 +216,7 @@ class LivePublisher:
             else:
                 backlog.append([now, count, data])
             return
-        if not send_datagram(sender, [path], data):
+        if send_datagram(sender, path, data):
             self._congested.discard(path)
         elif path in self._congested:
             self.dropped += count
@@ -227,7 +227,7 @@ class LivePublisher:
         """Offer the backlogs' datagrams again, in order; a socket whose oldest datagram has
         waited ``FULL_WAIT_SECONDS`` loses its backlog (dropped, counted) and is congested."""
         for path, backlog in list(self._backlog.items()):
-            while backlog and not send_datagram(sender, [path], backlog[0][2]):
+            while backlog and send_datagram(sender, path, backlog[0][2]):
                 backlog.popleft()
                 if not path.exists():  # its process is gone (the socket was removed)
                     backlog.clear()

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,22 +105,22 @@ def _send_sockets(message: str) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
         sender.setblocking(False)
         # A socket too full to take it is full of wake-ups already: its worker will look.
-        send_datagram(sender, directory.glob("*.sock"), message.encode())
+        data = message.encode()
+        for path in directory.glob("*.sock"):
+            send_datagram(sender, path, data)
 
 
-def send_datagram(sender: socket.socket, paths: Iterable[Path], data: bytes) -> list[Path]:
-    """Send ``data`` from the non-blocking ``sender`` to every socket in ``paths``; a socket
-    that refuses it or is gone is removed (its process will never read it again). Returns
-    the sockets that were too full to take it."""
-    full: list[Path] = []
-    for path in paths:
-        try:
-            sender.sendto(data, str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            _remove(path)
-        except BlockingIOError:
-            full.append(path)
-    return full
+def send_datagram(sender: socket.socket, path: Path, data: bytes) -> bool:
+    """Send ``data`` from the non-blocking ``sender`` to the socket at ``path``; False when
+    the socket is too full to take it. A socket that refuses it or is gone is removed (its
+    process will never read it again): nothing left to send to, True."""
+    try:
+        sender.sendto(data, str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        _remove(path)
+    except BlockingIOError:
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------ listening
