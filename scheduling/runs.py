@@ -739,8 +739,8 @@ def _look(db: str, queue: str | None, clock: Clock, *, work: bool, reap: bool) -
         sql, params = _look_statement(db, queue, work, reap)
     else:  # a test's clock: its time is a value of the statement
         sql, params = _look_sql(db, queue, clock, work, reap)
-    # Not a prepared statement: its values (the statuses) are what lets PostgreSQL use the
-    # claimable runs' partial index, and a generic plan would not know them.
+    # Not a prepared statement: a generic plan would not know the statuses (the partial
+    # index of claimable runs is chosen on them); prepared, it measured a worse latency p99.
     with connections[db].cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()

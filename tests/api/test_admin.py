@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.urls import reverse
 from django.utils import timezone
@@ -73,7 +75,8 @@ def test_it_shows_the_capacity_page(staff_client):
                                    "created": 4, "in_use": 2, "max": 8,
                                    "history": [[0, 1, 0], [60, 4, 2]]}}}},
                   "store": {"commits": 120, "transactions": 45, "rejected": 2},
-                  "scheduler": {"live": {"channel": "socket", "sent": 9100, "dropped": 37,
+                  "scheduler": {"leases_lost": 4,
+                                "live": {"channel": "socket", "sent": 9100, "dropped": 37,
                                          "congested": 1}}},
     )
     response = staff_client.get(reverse("admin:capacity"))
@@ -88,6 +91,8 @@ def test_it_shows_the_capacity_page(staff_client):
     # Live deltas: sent and dropped, and web processes' sockets found stuck full.
     assert "live deltas sent / dropped" in content and "9100 / 37" in content
     assert "web processes stuck (live socket full)" in content
+    # Leases a worker lost (cut off from the database past its lease), summed.
+    assert re.search(r"leases lost</[^>]+>\s*<[^>]+>4<", content)
     # The pool's history is drawn as a chart of its own, on the server.
     assert 'data-chart="code-tools-python-interpreters"' in content
     assert '<path class="sage-line"' in content

@@ -221,7 +221,6 @@ async def test_a_socket_that_stays_full_loses_deltas_counted_until_it_reads_agai
         # counted, and its socket is congested (no further wait for it).
         await _until(lambda: publisher.sent >= 60 and publisher.snapshot()["congested"] == 1)
         assert publisher.snapshot()["dropped"] > 0
-        assert publisher.snapshot()["congested"] == 1
         assert 0 < _read(receiver, queued) < 60
         assert len(queued) + publisher.dropped == 60
         # It reads again: the next delta is delivered and the socket is no longer congested.

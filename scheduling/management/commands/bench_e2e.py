@@ -174,9 +174,7 @@ TARGETS = {
 
 def targets(path: str) -> dict[str, Any]:
     """The targets of ``path`` on the configured database (see `TARGETS`)."""
-    from django.db import connection
-
-    return TARGETS.get(connection.vendor, {}).get(path, {})
+    return TARGETS.get(connections["default"].vendor, {}).get(path, {})
 
 
 # Inherited variables that must not reach a subprocess (the test runner's, fault injection).
