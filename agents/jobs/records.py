@@ -105,6 +105,16 @@ def upsert_record_sync(snapshot: JobSnapshot, owner_id: int) -> bool:
     return terminal
 
 
+def reopen_record_sync(job_id: str, state: str) -> None:
+    """Make the job's row unfinished (``running``) again if it still says ``state``: its
+    end could not be announced (see `JobEventRecorder.record`)."""
+    from agents.models import JobRecord
+
+    JobRecord.objects.filter(job_id=job_id, state=state).update(
+        state=str(JobState.RUNNING), updated_at=timezone.now()
+    )
+
+
 async def append_job_event(
     session_id: Any, run_id: Any, event_type: str, payload: Mapping[str, Any]
 ) -> bool:
@@ -176,9 +186,16 @@ class JobEventRecorder:
         ended_now = await db_call(upsert_record_sync, snapshot, int(owner))
         if event_type in _TERMINAL_EVENT_TYPES and not ended_now:
             return False
-        return await append_job_event(
+        appended = await append_job_event(
             session_id, snapshot.owner_run_id, event_type, job_event_payload(snapshot, data)
         )
+        if ended_now and not appended:
+            # The end's event was refused (the run is running under a lease this process
+            # does not hold: a dead worker's, not yet reaped). Nobody else would announce
+            # it — the row says it is recorded — so the row is unfinished again, and a
+            # later reconciliation, under whoever holds the run then, records the end.
+            await db_call(reopen_record_sync, snapshot.job_id, str(snapshot.state))
+        return appended
 
     async def record_end(self, snapshot: JobSnapshot) -> bool:
         """Record a terminal ``snapshot`` observed outside the runtime's events (an operator

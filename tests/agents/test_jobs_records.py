@@ -147,3 +147,35 @@ async def test_it_records_a_late_started_event_as_running(alice, run_of, recorde
     assert "exit_code" not in events[-2][2]
     assert events[-1][1] == "job.completed"
     assert (await record_of(handle.job_id)).state == "completed"
+
+
+@pytest.mark.storage
+@pytest.mark.django_db(transaction=True)
+async def test_a_jobs_end_refused_by_its_runs_lease_is_recorded_once_the_run_is_free(alice, run_of):
+    from agents.jobs.memory import InMemoryJobRuntime
+    from scheduling.models import Run, RunStatus
+
+    run = await sync_to_async(run_of)(alice)
+    runtime = InMemoryJobRuntime()  # the job's own events are written by hand below
+    try:
+        handle = await runtime.submit(labelled(run, "echo", {"chunks": ["x"]}))
+        finished = await runtime.wait(handle.job_id)
+    finally:
+        await runtime.close()
+    recorder = JobEventRecorder()
+    assert await recorder(finished, "job.created", {}) is None
+    # A dead worker's lease still holds the run: this process may not write its events.
+    leased = Run.objects.filter(pk=run.pk)
+    await sync_to_async(leased.update)(status=RunStatus.RUNNING, lease_owner="gone", lease_token=7)
+
+    assert await recorder.record(finished, "job.completed", {}) is False
+    # The end is not lost: the row is unfinished again, for reconciliation to take up.
+    assert (await record_of(handle.job_id)).state == "running"
+    assert "job.completed" not in await event_types(run.session_id)
+
+    # The lease was reaped; the next reconciliation records the end, once.
+    await sync_to_async(leased.update)(status=RunStatus.QUEUED, lease_owner="", lease_token=None)
+    assert await recorder.record_end(finished) is True
+    assert await recorder.record_end(finished) is False
+    assert (await record_of(handle.job_id)).state == "completed"
+    assert await event_types(run.session_id) == ["job.created", "job.completed"]
