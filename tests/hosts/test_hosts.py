@@ -464,8 +464,22 @@ def test_jobs_run_on_celery_hosts_outlive_their_submitter_and_a_killed_job_host(
     )
     snapshot, output = asyncio.run(read_job(s, job_id))
     assert (snapshot.state.value, output) == ("completed", "hello from a job")
-    types = s.rows.query("SELECT type FROM scheduling_event WHERE run_id = %s ORDER BY seq", run)
-    job_events = [t for (t,) in types if t.startswith("job.")]
+
+    def job_events_of_run() -> list[str]:
+        types = s.rows.query(
+            "SELECT type FROM scheduling_event WHERE run_id = %s ORDER BY seq", run
+        )
+        return [t for (t,) in types if t.startswith("job.")]
+
+    # The record is written before the event (a reader of the event finds the job), and an
+    # end refused while W1's lease held the run is recorded at a later reconciliation.
+    s.wait(
+        lambda: "job.completed" in job_events_of_run(),
+        timeout=90,
+        message=lambda: f"W2 to announce the job's end (events {job_events_of_run()})",
+        running=(second,),
+    )
+    job_events = job_events_of_run()
     # job.started when W1 saw the job start before it died.
     assert job_events in (
         ["job.created", "job.completed"],
