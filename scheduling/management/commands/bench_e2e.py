@@ -30,7 +30,11 @@ on stderr only when it is a terminal):
   (target ≥ 500 req/s, p99 ≤ 100 ms). Admission alone: the worker is paused (SIGSTOP, holding
   no run) for the window — on a 2-CPU machine, executing 500 runs/s takes both CPUs by
   itself (the throughput path) — and drains the runs after. ``http_admission_with_worker``
-  is the same with the worker executing the runs as they are admitted.
+  is the same with the worker executing the runs as they are admitted. Both lines carry
+  ``cpu_ms_per_request``: the CPU time (user + system) the web processes, the database's
+  processes and the clients' process spent during the window, per request — steadier from
+  run to run than the tail on a shared machine, and where a change to the request's cost
+  shows.
 - ``token_to_sse``: model token to SSE client. The runs of this path use an
   OpenAI-compatible model served by ``benchpeers.model_server`` (a subprocess started here;
   a model record ``bench-live`` of the benchmark's user points the worker's ``openai``
@@ -278,6 +282,42 @@ def tidy_tables() -> None:
 def start_child(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Child:
     """Start ``argv`` as `Child` ``name``, its output in ``<log_dir>/<name>.log``."""
     return Child(name, argv, env, log_dir / f"{name}.log")
+
+
+def cpu_by_process(pids: list[int]) -> dict[int, float]:
+    """CPU time (user + system) used so far by each of ``pids`` and their descendants, by
+    process id; processes that are gone or not ours are left out."""
+    import psutil
+
+    used = {}
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                times = process.cpu_times()
+                used[process.pid] = times.user + times.system
+    return used
+
+
+def database_pids() -> list[int]:
+    """The database server's processes on this machine (PostgreSQL's backends, MariaDB's
+    server) that can be read; none for SQLite (the database runs in its callers)."""
+    import psutil
+
+    names = {"postgresql": ("postgres",), "mysql": ("mariadbd", "mysqld")}.get(
+        connections["default"].vendor, ()
+    )
+    return [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in names]
+
+
+def cpu_spent(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two `cpu_by_process` readings (a process that began
+    between them counts whole)."""
+    return sum(used - before.get(pid, 0.0) for pid, used in after.items())
 
 
 def check_running(child: Child) -> None:
@@ -1496,11 +1536,24 @@ class Command(BaseCommand):
         progress(f"http_admission: {clients} clients, {options['http_seconds']} s, worker {state}")
         if paused:
             os.kill(worker.pid, signal.SIGSTOP)
+        web, database, client = (
+            cpu_by_process([server.pid]),
+            cpu_by_process(database_pids()),
+            time.process_time(),
+        )
         try:
             line = asyncio.run(http_admission(base, plan, options["http_seconds"]))
         finally:
             if paused:
                 os.kill(worker.pid, signal.SIGCONT)
+        per_request = 1000 / max(1, line["requests"])  # ms per request, from seconds
+        line["cpu_ms_per_request"] = {
+            "web": round(cpu_spent(web, cpu_by_process([server.pid])) * per_request, 3),
+            "database": round(
+                cpu_spent(database, cpu_by_process(database_pids())) * per_request, 3
+            ),
+            "client": round((time.process_time() - client) * per_request, 3),
+        }
         check_running(server)
         progress("waiting for the worker to drain the admitted runs")
         began = time.perf_counter()
