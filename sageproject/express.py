@@ -22,6 +22,14 @@ clickjacking middleware as configured. Anything else goes through the full stack
   asked for, and a request that `SecurityMiddleware` would redirect, or that
   `CommonMiddleware` would refuse or redirect, goes the long way.
 
+The token is authenticated from the process's cache of token rows
+(`TokenAuthentication.authenticate_cached`), and the route hands the request's `Credential`
+to the admission, which checks it again in its own transaction. A request is answered here
+only once its credential has been checked: by the admission, or — for a request that ended
+before (a malformed body, a priority the cached user may not give) — by a query of its own
+before its error is answered. A refused credential (a token deleted meanwhile, say) sends
+the request the long way, which looks the token up afresh and answers as DRF does.
+
 What it leaves out are the request signals (``request_started``/``request_finished``);
 the database connection is given back after each request as those signals would.
 """
@@ -43,6 +51,7 @@ from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 
 from sageproject.authentication import TokenAuthentication
+from scheduling.runs import Credential, CredentialRefused, check_credential
 
 logger = logging.getLogger("sage.web")
 
@@ -68,9 +77,10 @@ NOTHING_TO_DO = {
 KNOWN_MIDDLEWARE = REQUEST_CHECKS | RESPONSE_HEADERS | NOTHING_TO_DO
 ACCEPTS = {b"", b"*/*", b"application/json"}
 
-# A route: the request and its authenticated user in, the answer (a DRF ``Response``, to be
-# rendered as the API renders it) out. It may raise whatever the DRF view would.
-Route = Callable[[HttpRequest, Any], Response]
+# A route: the request, its authenticated user and the `Credential` the admission is to
+# check in, the answer (a DRF ``Response``, to be rendered as the API renders it) out. It
+# may raise whatever the DRF view would.
+Route = Callable[[HttpRequest, Any, Credential], Response]
 
 
 def routes() -> dict[str, tuple[Route, str]]:
@@ -133,6 +143,21 @@ class Express:
             return None
         return route
 
+    def _holds(self, credential: Credential, key: str) -> bool:
+        """Whether a request that ended in an error may have it answered here: its
+        admission checked the credential, or the credential holds now (the error came
+        first: a malformed body, say)."""
+        if credential.checked:
+            return True
+        try:
+            check_credential(credential)
+        except CredentialRefused:
+            self.authenticator.forget(key)
+            return False
+        except Exception:  # the database is down, say: the long way answers as DRF does
+            return False
+        return True
+
     def answer(self, route: tuple[Route, str], request: HttpRequest) -> HttpResponseBase | None:
         """The response, or None to send the request the long way. On a request thread;
         gives the thread's database connection back after."""
@@ -149,15 +174,21 @@ class Express:
         except (DisallowedHost, PermissionDenied):
             return None
         function, allow = route
+        credential = None
         try:
-            authenticated = self.authenticator.authenticate(request)
+            authenticated = self.authenticator.authenticate_cached(request)
             if authenticated is None:
                 return None
-            request.user = authenticated[0]
-            answer = function(request, request.user)
+            request.user, token, credential = authenticated
+            answer = function(request, request.user, credential)
         except exceptions.AuthenticationFailed:
             return None  # the long way answers 401, with its header
+        except CredentialRefused:
+            self.authenticator.forget(token.key)
+            return None  # the long way looks the token up again
         except Exception as exc:  # a database outage, say: the envelope, as DRF gives it
+            if credential is not None and not self._holds(credential, token.key):
+                return None  # the long way looks the token up again
             from sageproject.api import exception_handler
 
             answer = exception_handler(exc, {"request": request, "view": None})

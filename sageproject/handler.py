@@ -130,8 +130,11 @@ class ThreadedASGIHandler(ASGIHandler):
                 if response is not None:
                     await self._send_whole(response, send)
                     return None
-            body_file.seek(0)
-            body = body_file.read()
+            # The lane may have read the body (Django closes the file then): its bytes.
+            body = getattr(request, "_body", None)
+            if body is None:
+                body_file.seek(0)
+                body = body_file.read()
         replayed = False
 
         async def replay() -> dict[str, Any]:

@@ -430,6 +430,37 @@ def queue_full_error(limit: int, *, per_user: bool = False) -> RateLimitedError:
 # ------------------------------------------------------------------------------ admit
 
 
+@dataclass(slots=True)
+class Credential:
+    """What the caller authenticated the owner with, checked again inside the admission's
+    transaction. ``sql`` is a boolean SQL expression (``%s`` placeholders for ``params``)
+    that holds while the credential still names the owner with the rights the caller went
+    by. A caller that authenticated from a cache of its own passes one, so that its cache
+    grants nothing the database no longer does: an admission whose credential no longer
+    holds admits nothing and raises `CredentialRefused`. ``checked`` is set once the
+    admission has found it holding (what the admission answers after that — its run, or a
+    refusal such as a full queue — is the owner's)."""
+
+    sql: str
+    params: tuple[Any, ...]
+    checked: bool = False
+
+
+class CredentialRefused(Exception):
+    """The admission's `Credential` no longer holds: nothing was admitted."""
+
+
+def check_credential(credential: Credential, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Raise `CredentialRefused` unless ``credential`` holds now (in the caller's
+    transaction, when one is open); marks it checked."""
+    with connections[using].cursor() as cursor:
+        cursor.execute(f"SELECT CASE WHEN {credential.sql} THEN 1 ELSE 0 END", credential.params)
+        (holds,) = cursor.fetchone()
+    if not holds:
+        raise CredentialRefused
+    credential.checked = True
+
+
 def admit(
     *,
     owner: Any,
@@ -439,6 +470,7 @@ def admit(
     queue: str = RunQueue.CHAT,
     priority: int = 0,
     multitask: str = Multitask.ENQUEUE,
+    credential: Credential | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> tuple[Run, bool]:
     """Admit a run (queued) into ``owner``'s session; returns (run, created).
@@ -452,9 +484,19 @@ def admit(
     ``multitask=reject`` on a session with an unfinished run. With ``interrupt`` or
     ``rollback`` the session's unfinished runs are stopped (queued and suspended ones at
     once, a running one by its worker at its next step) and the new run follows them.
+    With a ``credential`` (`Credential`) it is checked first, in the same transaction.
     """
     owner_id = getattr(owner, "pk", owner)
-    args = (owner_id, session_id, input, idempotency_key, queue, priority, Multitask(multitask))
+    args = (
+        owner_id,
+        session_id,
+        input,
+        idempotency_key,
+        queue,
+        priority,
+        Multitask(multitask),
+        credential,
+    )
     slot = None
     for attempt in range(ADMIT_ATTEMPTS):
         try:
@@ -501,6 +543,7 @@ def _admit(
     queue: str,
     priority: int,
     multitask: Multitask,
+    credential: Credential | None,
     slot: int | None,
     using: str,
 ) -> tuple[Run, bool]:
@@ -517,14 +560,16 @@ def _admit(
     one_statement = _admits_in_one_statement(using, run, multitask)
     if one_statement and not connections[using].in_atomic_block:
         # Its own transaction, begun and committed in the same round trip.
-        return _admit_pipelined(run, multitask, using, commit=True), True
+        return _admit_pipelined(run, multitask, credential, using, commit=True), True
     with transaction.atomic(using=using):
+        if credential is not None and not credential.checked:
+            check_credential(credential, using)
         if idempotency_key:
             existing = runs.filter(owner_id=owner_id, idempotency_key=idempotency_key).first()
             if existing is not None:
                 return existing, False
         if one_statement:
-            return _admit_pipelined(run, multitask, using, commit=False), True
+            return _admit_pipelined(run, multitask, None, using, commit=False), True
         # The session row's lock orders this admission against the session's finishing
         # run (which hands the session's turn on under the same lock).
         locked = Session.objects.using(using).filter(pk=session_id, owner_id=owner_id)
@@ -597,12 +642,17 @@ logging.getLogger("psycopg").addFilter(_SecondReport())
 
 
 @functools.cache
-def _admission_statements(using: str) -> tuple[str, str, str, tuple[Any, ...]]:
+def _admission_statements(
+    using: str, credential_sql: str | None
+) -> tuple[str, str, str, tuple[Any, ...]]:
     """`_admit_pipelined`'s statements on database ``using`` — the session lock, the
     admission, the guard — and the run's fields whose values the admission's parameters
-    carry, in order ("ready" is computed in SQL). Built once per database: they depend only
-    on its quoting."""
+    carry, in order ("ready" is computed in SQL). With ``credential_sql`` (`Credential`) the
+    admission's parameters begin with the credential's, and the session counts as found
+    only while it holds. Built once per database and credential: they depend only on its
+    quoting."""
     quote = connections[using].ops.quote_name
+    authorized = f"({credential_sql})" if credential_sql else "TRUE"
     run_table, session_table = quote(Run._meta.db_table), quote(Session._meta.db_table)
     places, _ = pending.take_ctes(quote, 0, 0, "SELECT found AND NOT (busy AND %s) FROM b")
     columns, values, fields = [], [], []
@@ -614,16 +664,19 @@ def _admission_statements(using: str) -> tuple[str, str, str, tuple[Any, ...]]:
             values.append("%s")
             fields.append(field)
     sql = (
-        f"WITH b AS (SELECT EXISTS (SELECT 1 FROM {run_table} WHERE session_id = %s"
+        f"WITH c AS (SELECT {authorized} AS authorized),"
+        f" b AS (SELECT EXISTS (SELECT 1 FROM {run_table} WHERE session_id = %s"
         f" AND status IN ({', '.join(['%s'] * len(UNFINISHED_STATUSES))})) AS busy,"
-        f" EXISTS (SELECT 1 FROM {session_table} WHERE id = %s AND owner_id = %s) AS found),"
+        f" (SELECT authorized FROM c) AND EXISTS (SELECT 1 FROM {session_table}"
+        f" WHERE id = %s AND owner_id = %s) AS found),"
         f" {places},"
         f" r AS (INSERT INTO {run_table} ({', '.join(columns)}) SELECT {', '.join(values)}"
         f" WHERE EXISTS (SELECT 1 FROM user_place) RETURNING ready),"
         f" n AS (SELECT pg_notify(%s, %s) FROM r WHERE ready AND %s)"
         f" SELECT found, busy, EXISTS (SELECT 1 FROM host_place),"
         f" EXISTS (SELECT 1 FROM user_place), (SELECT ready FROM r),"
-        f" (SELECT count(*) FROM n), {pending.user_row_sql(quote)} FROM b"
+        f" (SELECT count(*) FROM n), {pending.user_row_sql(quote)},"
+        f" (SELECT authorized FROM c) FROM b"
     )
     lock_sql = f"SELECT 1 FROM {session_table} WHERE id = %s AND owner_id = %s FOR UPDATE"
     # Fails (the transaction aborts) unless the run is there.
@@ -642,7 +695,9 @@ def division_by_zero() -> type[Exception]:
     return psycopg.errors.DivisionByZero
 
 
-def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool) -> Run:
+def _admit_pipelined(
+    run: Run, multitask: Multitask, credential: Credential | None, using: str, *, commit: bool
+) -> Run:
     """`_admit` on PostgreSQL in one round trip: the session row's lock, and one statement
     that reads whether the session is busy, takes the pending places (`pending.take_ctes`),
     inserts the run and notifies the workers — sent together (`pipelined`). The second
@@ -653,13 +708,17 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool
     fails when the run was not inserted, which aborts the transaction — a place taken in the
     host's stripe while the user's was refused is never committed — and the statement's
     row, already received, says why. Without ``commit`` it runs in the caller's
-    transaction, which the exception raised here rolls back."""
+    transaction, which the exception raised here rolls back. A ``credential`` is checked
+    by the admission statement itself: the session counts as not found unless it holds."""
     connection = connections[using]
-    lock_sql, sql, guard_sql, fields = _admission_statements(using)
+    lock_sql, sql, guard_sql, fields = _admission_statements(
+        using, credential.sql if credential is not None else None
+    )
     reject = multitask is Multitask.REJECT
     places = pending.take_params(run.owner_id, run.admission_slot)
     notify = wakeups.backend(using) == "postgresql"
     params = [
+        *(credential.params if credential is not None else ()),
         run.session_id,
         *UNFINISHED_STATUSES,
         run.session_id,
@@ -690,7 +749,11 @@ def _admit_pipelined(run: Run, multitask: Multitask, using: str, *, commit: bool
                     raise
             else:
                 raise
-    found, busy, host, user, ready, _, user_row = cursor.fetchone()
+    found, busy, host, user, ready, _, user_row, authorized = cursor.fetchone()
+    if not authorized:
+        raise CredentialRefused
+    if credential is not None:
+        credential.checked = True
     if not found:
         raise NotFoundError("session.not_found", "session not found")
     if busy and reject:

@@ -30,6 +30,7 @@ from scheduling.models import (
     Run,
     RunStatus,
 )
+from scheduling.runs import Credential
 
 
 class RunSubmitSerializer(StrictFieldsMixin, serializers.Serializer):
@@ -108,11 +109,13 @@ class RunSerializer(serializers.ModelSerializer):
 _TIMESTAMP = serializers.DateTimeField()
 
 
-def submit_run(user: Any, body: Any, key: str | None) -> Response:
+def submit_run(
+    user: Any, body: Any, key: str | None, credential: Credential | None = None
+) -> Response:
     """A submission: ``body`` validated (`RunSubmitSerializer`), the run admitted
-    (``services.run_submit``), the answer 202 with the run — 200 for a repeated
-    ``Idempotency-Key``, which answers the run it made first. Raises what the API's
-    exception handler turns into its envelope."""
+    (``services.run_submit``; with ``credential``, a `Credential` the admission checks),
+    the answer 202 with the run — 200 for a repeated ``Idempotency-Key``, which answers the
+    run it made first. Raises what the API's exception handler turns into its envelope."""
     data = RunSubmitSerializer(data=body)
     data.is_valid(raise_exception=True)
     key = key or None
@@ -125,6 +128,7 @@ def submit_run(user: Any, body: Any, key: str | None) -> Response:
         idempotency_key=key,
         priority=data.validated_data["priority"],
         multitask=data.validated_data["multitask"],
+        credential=credential,
     )
     if not created:  # a repeated key answers an existing run, perhaps finished: a read
         services.check_read_permission(user)
@@ -132,12 +136,12 @@ def submit_run(user: Any, body: Any, key: str | None) -> Response:
     return Response(RunSerializer(run).data, status=code)
 
 
-def submit(request: HttpRequest, user: Any) -> Response:
+def submit(request: HttpRequest, user: Any, credential: Credential) -> Response:
     """``POST /api/v1/runs/`` on the web process's express lane (`sageproject.express`):
     the body parsed as the API's JSON parser parses it (an empty one is no fields, as DRF
-    reads it), then `submit_run` as the view does."""
+    reads it), then `submit_run` as the view does, the admission checking ``credential``."""
     body = parse_json(request.body) if request.body else {}
-    return submit_run(user, body, request.headers.get("Idempotency-Key"))
+    return submit_run(user, body, request.headers.get("Idempotency-Key"), credential)
 
 
 class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):

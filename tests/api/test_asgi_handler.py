@@ -309,6 +309,70 @@ async def test_a_full_queue_answers_429_on_the_lane_as_on_the_full_stack(
     assert await Run.objects.acount() == 1
 
 
+async def test_the_lane_reads_a_token_once_for_its_submissions(alice, make_session, monkeypatch):
+    """The lane's token cache: the second submission of a token reads no token row (on
+    PostgreSQL the admission's one statement checks the credential)."""
+    from sageproject.authentication import TokenAuthentication
+
+    reads = []
+    row = TokenAuthentication._row
+
+    def counting(self, key):
+        reads.append(key)
+        return row(self, key)
+
+    monkeypatch.setattr(TokenAuthentication, "_row", counting)
+    token = await _token(alice)
+    lane = ThreadedASGIHandler()
+    answers = [await _submit_fresh(lane, alice, token, make_session) for _ in range(3)]
+    assert [status for status, _, _ in answers] == [202, 202, 202]
+    assert reads == [token]
+
+
+# What changes between a first submission (which puts alice's token row in the lane's cache)
+# and a second one: (change, the second's body, its answer, whether it admits a run).
+CHANGED_MEANWHILE = {
+    "token deleted": ("token", {}, 401, False),
+    "token deleted, then a malformed body": ("token", b'{"session": ', 401, False),
+    "user deactivated": ("inactive", {}, 401, False),
+    "staff flag removed": ("not staff", {"priority": 5}, 403, False),
+    "staff flag given": ("staff", {"priority": 5}, 202, True),
+    "nothing": (None, {}, 202, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHANGED_MEANWHILE))
+async def test_the_lanes_cached_token_grants_nothing_the_database_no_longer_does(
+    name, alice, make_session
+):
+    """The lane authenticates from its cache and the admission checks the credential again:
+    a change made after the token was cached is answered as the full stack answers it, and
+    a refused credential admits nothing."""
+    change, body, status, admitted = CHANGED_MEANWHILE[name]
+    alice.is_staff = change == "not staff"
+    await sync_to_async(alice.save)()
+    token = await _token(alice)
+    lane = ThreadedASGIHandler()
+    first = await _submit_fresh(lane, alice, token, make_session)
+    assert first[0] == 202
+    session = await sync_to_async(make_session)(alice)
+    if change == "token":
+        await Token.objects.filter(key=token).adelete()
+    elif change is not None:
+        alice.is_active = change != "inactive"
+        alice.is_staff = change == "staff"
+        await sync_to_async(alice.save)()
+    if isinstance(body, dict):
+        body = json.dumps({"session": str(session.pk), "input": "hi", **body}).encode()
+    got, full = [], []
+    for handler, headers in ((lane, got), (_lane_and_full()[1], full)):
+        answer = await _request(handler, "POST", "/api/v1/runs/", token, body, answer=headers)
+        headers[:] = _comparable(answer[0], headers, answer[1])
+    assert got == full
+    assert got[0] == status
+    assert await Run.objects.filter(session_id=session.pk).acount() == (2 if admitted else 0)
+
+
 def test_the_express_lane_is_off_with_a_middleware_it_does_not_know(settings):
     from sageproject.express import Express
 
@@ -331,7 +395,7 @@ async def test_an_unexpected_error_is_the_same_500_envelope_on_the_lane(
 
     token = await _token(alice)
     if where == "authentication":
-        monkeypatch.setattr(TokenAuthentication, "authenticate_credentials", down)
+        monkeypatch.setattr(TokenAuthentication, "_row", down)
     else:
         monkeypatch.setattr(services, "run_submit", down)
     answers = [await _submit_fresh(h, alice, token, make_session) for h in _lane_and_full()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from datetime import timedelta
@@ -94,7 +95,7 @@ def test_a_claim_takes_runs_of_different_sessions_in_one_transaction(alice, bob,
 
 
 PREPARED_KINDS = {
-    "admission": lambda text: text.startswith("WITH b AS"),
+    "admission": lambda text: text.startswith("WITH c AS"),
     "claim": lambda text: "lease_owner = $" in text,
 }
 
@@ -261,6 +262,48 @@ def test_a_transaction_committed_at_once_sends_no_begin_and_is_still_one():
         assert explicit and raw.pgconn.transaction_status == 2  # open: the caller commits
         raw.execute("COMMIT")
         assert raw.execute("SELECT count(*) FROM t").fetchone() == (2,)
+
+
+# Admissions by path: pipelined on PostgreSQL (no key), in a transaction of its own (a key,
+# or runs to stop first), and inside the caller's transaction.
+CREDENTIAL_PATHS = {
+    "plain": {},
+    "idempotency key": {"idempotency_key": "k1"},
+    "interrupt": {"multitask": "interrupt"},
+}
+
+
+@pytest.mark.parametrize("path", sorted(CREDENTIAL_PATHS))
+@pytest.mark.parametrize("in_transaction", [False, True], ids=["own", "caller's"])
+def test_an_admission_whose_credential_no_longer_holds_admits_nothing(
+    alice, make_session, path, in_transaction
+):
+    """`runs.Credential`: checked in the admission's transaction. Holding, it is marked
+    checked and the run admitted; no longer holding (the token deleted after the caller
+    read it), nothing is written — no run, no pending place — and `CredentialRefused`."""
+    from rest_framework.authtoken.models import Token
+
+    from sageproject.authentication import credential_sql
+    from scheduling.models import PendingCount
+
+    session = make_session(alice)
+    key = Token.objects.create(user=alice).key
+    kw = CREDENTIAL_PATHS[path]
+
+    def admit() -> runs.Credential:
+        credential = runs.Credential(credential_sql(), (key, alice.pk, False, False))
+        with transaction.atomic() if in_transaction else contextlib.nullcontext():
+            runs.admit(owner=alice, session_id=session.pk, input="hi", credential=credential, **kw)
+        return credential
+
+    assert admit().checked
+    assert Run.objects.filter(session_id=session.pk).count() == 1
+    places = sorted(PendingCount.objects.values_list("scope", "pending"))
+    Token.objects.filter(key=key).delete()
+    with pytest.raises(runs.CredentialRefused):
+        admit()
+    assert Run.objects.filter(session_id=session.pk).count() == 1
+    assert sorted(PendingCount.objects.values_list("scope", "pending")) == places
 
 
 def test_a_suspended_run_keeps_its_sessions_turn(alice, make_session):
