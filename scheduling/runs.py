@@ -562,7 +562,7 @@ def _admit(
         # Its own transaction, begun and committed in the same round trip.
         return _admit_pipelined(run, multitask, credential, using, commit=True), True
     with transaction.atomic(using=using):
-        if credential is not None and not credential.checked:
+        if credential is not None:  # in each attempt's transaction
             check_credential(credential, using)
         if idempotency_key:
             existing = runs.filter(owner_id=owner_id, idempotency_key=idempotency_key).first()
