@@ -96,7 +96,11 @@ class TokenAuthentication(authentication.TokenAuthentication):
         self._rows_lock = threading.Lock()
 
     def authenticate_credentials(self, key: str) -> tuple[Any, Token]:
-        values = self._row(key)
+        return self._authenticated(self._row(key))
+
+    def _authenticated(self, values: list[Any] | None) -> tuple[Any, Token]:
+        """The user and token of a row of `_row`; DRF's refusals for none, or an inactive
+        user."""
         if values is None:
             raise exceptions.AuthenticationFailed("Invalid token.")
         user, token = self._objects(values)
@@ -121,20 +125,15 @@ class TokenAuthentication(authentication.TokenAuthentication):
         now = time.monotonic()
         entry = self._rows.get(key)
         if entry is not None and now - entry[0] < CACHE_SECONDS:
-            values = entry[1]
+            user, token = self._objects(entry[1])
         else:
+            self.forget(key)
             values = self._row(key)
-            if values is None:
-                self.forget(key)
-                raise exceptions.AuthenticationFailed("Invalid token.")
+            user, token = self._authenticated(values)  # unknown, inactive: not kept
             with self._rows_lock:
-                self._rows.pop(key, None)
                 self._rows[key] = (now, values)
                 while len(self._rows) > CACHE_SIZE:
                     del self._rows[next(iter(self._rows))]
-        user, token = self._objects(values)
-        if not user.is_active:
-            raise exceptions.AuthenticationFailed("User inactive or deleted.")
         credential = Credential(credential_sql(), (key, user.pk, user.is_staff, user.is_superuser))
         return user, token, credential
 

@@ -329,6 +329,29 @@ async def test_the_lane_reads_a_token_once_for_its_submissions(alice, make_sessi
     assert reads == [token]
 
 
+async def test_an_inactive_users_token_is_not_kept(alice, make_session):
+    """Refused as inactive (401, the long way), the token is not cached: once the user is
+    active again its next submission is admitted on the lane."""
+    alice.is_active = False
+    await sync_to_async(alice.save)()
+    token = await _token(alice)
+    lane = ThreadedASGIHandler()
+    answered: list[bool] = []
+    answer = lane.express.answer
+
+    def recording(route, request):
+        response = answer(route, request)
+        answered.append(response is not None)
+        return response
+
+    lane.express.answer = recording
+    assert (await _submit_fresh(lane, alice, token, make_session))[0] == 401
+    alice.is_active = True
+    await sync_to_async(alice.save)()
+    assert (await _submit_fresh(lane, alice, token, make_session))[0] == 202
+    assert answered == [False, True]
+
+
 # What changes between a first submission (which puts alice's token row in the lane's cache)
 # and a second one: (change, the second's body, its answer, whether it admits a run).
 CHANGED_MEANWHILE = {
