@@ -19,7 +19,7 @@ from rest_framework.response import Response
 
 from agents import services
 from agents.api.permissions import READ_PERMISSIONS
-from sageproject.api import ErrorEnvelopeSerializer, StrictFieldsMixin
+from sageproject.api import ErrorEnvelopeSerializer, FieldsOnceMixin, StrictFieldsMixin
 from sageproject.parsers import (
     parse_json,
     query_choice,
@@ -33,7 +33,7 @@ from scheduling.models import (
 from scheduling.runs import Credential
 
 
-class RunSubmitSerializer(StrictFieldsMixin, serializers.Serializer):
+class RunSubmitSerializer(FieldsOnceMixin, StrictFieldsMixin, serializers.Serializer):
     session = serializers.UUIDField()
     input = serializers.CharField(max_length=100_000, allow_blank=False, trim_whitespace=False)
     priority = serializers.IntegerField(default=0, min_value=-100, max_value=100)
