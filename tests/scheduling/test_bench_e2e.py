@@ -202,6 +202,11 @@ def test_host_paths_without_peers() -> None:
         assert http["clients"] == 3 and http["requests"] > 0
         assert sum(http["status"].values()) == http["requests"]
         assert set(http["status"]) <= {"202", "429"}
+        # SQLite runs in the web processes: no database processes of its own.
+        parts = {"web", "client"} | ({"database"} if connection.vendor != "sqlite" else set())
+        assert set(http["cpu_ms_per_request"]) == parts
+        assert all(ms >= 0 for ms in http["cpu_ms_per_request"].values())
+        assert http["cpu_ms_per_request"]["web"] > 0
     expected = TARGET_KEYS.get(connection.vendor, {})
     for path, line in by_path.items():
         assert {key for key in line if key.startswith("target_")} == expected.get(path, set())

@@ -32,9 +32,9 @@ on stderr only when it is a terminal):
   itself (the throughput path) — and drains the runs after. ``http_admission_with_worker``
   is the same with the worker executing the runs as they are admitted. Both lines carry
   ``cpu_ms_per_request``: the CPU time (user + system) the web processes, the database's
-  processes and the clients' process spent during the window, per request — steadier from
-  run to run than the tail on a shared machine, and where a change to the request's cost
-  shows.
+  processes (not on SQLite, which runs in the web processes) and the clients' process
+  spent during the window, per request — steadier from run to run than the tail on a
+  shared machine, and where a change to the request's cost shows.
 - ``token_to_sse``: model token to SSE client. The runs of this path use an
   OpenAI-compatible model served by ``benchpeers.model_server`` (a subprocess started here;
   a model record ``bench-live`` of the benchmark's user points the worker's ``openai``
@@ -1547,12 +1547,16 @@ class Command(BaseCommand):
             if paused:
                 os.kill(worker.pid, signal.SIGCONT)
         per_request = 1000 / max(1, line["requests"])  # ms per request, from seconds
+        spent = {
+            "web": cpu_spent(web, cpu_by_process([server.pid])),
+            # None on SQLite: the database runs in the web processes, counted there.
+            "database": cpu_spent(database, cpu_by_process(database_pids())) if database else None,
+            "client": time.process_time() - client,
+        }
         line["cpu_ms_per_request"] = {
-            "web": round(cpu_spent(web, cpu_by_process([server.pid])) * per_request, 3),
-            "database": round(
-                cpu_spent(database, cpu_by_process(database_pids())) * per_request, 3
-            ),
-            "client": round((time.process_time() - client) * per_request, 3),
+            name: round(seconds * per_request, 3)
+            for name, seconds in spent.items()
+            if seconds is not None
         }
         check_running(server)
         progress("waiting for the worker to drain the admitted runs")
