@@ -227,8 +227,9 @@ async def _express_case(handler, name, alice, bob, make_session) -> tuple[Any, .
     return _comparable(status, answer, content)
 
 
-@pytest.mark.parametrize("name", sorted(EXPRESS_CASES))
-async def test_the_express_lane_answers_as_the_full_stack_does(name, alice, bob, make_session):
+def _recording_lane() -> tuple[ThreadedASGIHandler, list[bool]]:
+    """A handler with the express lane, and the list it records into, per request it is
+    offered, whether the lane answered it (False: sent the long way)."""
     lane = ThreadedASGIHandler()
     assert lane.express is not None
     answered: list[bool] = []
@@ -240,6 +241,12 @@ async def test_the_express_lane_answers_as_the_full_stack_does(name, alice, bob,
         return response
 
     lane.express.answer = recording
+    return lane, answered
+
+
+@pytest.mark.parametrize("name", sorted(EXPRESS_CASES))
+async def test_the_express_lane_answers_as_the_full_stack_does(name, alice, bob, make_session):
+    lane, answered = _recording_lane()
     full = ThreadedASGIHandler()
     full.express = None
     expected = await _express_case(full, name, alice, bob, make_session)
@@ -335,16 +342,7 @@ async def test_an_inactive_users_token_is_not_kept(alice, make_session):
     alice.is_active = False
     await sync_to_async(alice.save)()
     token = await _token(alice)
-    lane = ThreadedASGIHandler()
-    answered: list[bool] = []
-    answer = lane.express.answer
-
-    def recording(route, request):
-        response = answer(route, request)
-        answered.append(response is not None)
-        return response
-
-    lane.express.answer = recording
+    lane, answered = _recording_lane()
     assert (await _submit_fresh(lane, alice, token, make_session))[0] == 401
     alice.is_active = True
     await sync_to_async(alice.save)()
