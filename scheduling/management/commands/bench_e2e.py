@@ -284,34 +284,40 @@ def start_child(name: str, argv: list[str], env: dict[str, str], log_dir: Path) 
     return Child(name, argv, env, log_dir / f"{name}.log")
 
 
-def cpu_by_process(pids: list[int]) -> dict[int, float]:
-    """CPU time (user + system) used so far by each of ``pids`` and their descendants, by
-    process id; processes that are gone or not ours are left out."""
+def cpu_by_process(processes: list[Any]) -> dict[int, float]:
+    """CPU time (user + system) used so far by each of ``processes`` (psutil), by process
+    id; processes that are gone or not ours are left out."""
     import psutil
 
     used = {}
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            processes = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            continue
-        for process in processes:
-            with contextlib.suppress(psutil.Error):
-                times = process.cpu_times()
-                used[process.pid] = times.user + times.system
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            times = process.cpu_times()
+            used[process.pid] = times.user + times.system
     return used
 
 
-def database_pids() -> list[int]:
-    """The database server's processes on this machine (PostgreSQL's backends, MariaDB's
-    server) that can be read; none for SQLite (the database runs in its callers)."""
+def process_tree(pid: int) -> list[Any]:
+    """The process ``pid`` and its descendants (psutil), or none once it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def database_processes() -> list[Any]:
+    """The database server's processes on this machine (psutil: PostgreSQL's postmaster
+    and backends, MariaDB's server); none for SQLite (the database runs in its callers)
+    or a server elsewhere."""
     import psutil
 
     names = {"postgresql": ("postgres",), "mysql": ("mariadbd", "mysqld")}.get(
         connections["default"].vendor, ()
     )
-    return [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in names]
+    return [p for p in psutil.process_iter(["name"]) if p.info["name"] in names]
 
 
 def cpu_spent(before: dict[int, float], after: dict[int, float]) -> float:
@@ -1537,8 +1543,8 @@ class Command(BaseCommand):
         if paused:
             os.kill(worker.pid, signal.SIGSTOP)
         web, database, client = (
-            cpu_by_process([server.pid]),
-            cpu_by_process(database_pids()),
+            cpu_by_process(process_tree(server.pid)),
+            cpu_by_process(database_processes()),
             time.process_time(),
         )
         try:
@@ -1548,9 +1554,12 @@ class Command(BaseCommand):
                 os.kill(worker.pid, signal.SIGCONT)
         per_request = 1000 / max(1, line["requests"])  # ms per request, from seconds
         spent = {
-            "web": cpu_spent(web, cpu_by_process([server.pid])),
-            # None on SQLite: the database runs in the web processes, counted there.
-            "database": cpu_spent(database, cpu_by_process(database_pids())) if database else None,
+            "web": cpu_spent(web, cpu_by_process(process_tree(server.pid))),
+            # None without database processes here: SQLite runs in the web processes
+            # (counted there), a server elsewhere is not measured.
+            "database": (
+                cpu_spent(database, cpu_by_process(database_processes())) if database else None
+            ),
             "client": time.process_time() - client,
         }
         line["cpu_ms_per_request"] = {
