@@ -350,6 +350,37 @@ async def test_an_inactive_users_token_is_not_kept(alice, make_session):
     assert answered == [False, True]
 
 
+async def test_an_error_whose_credential_cannot_be_checked_goes_the_long_way(
+    alice, make_session, monkeypatch
+):
+    """A malformed body ends the request before its admission: its credential is checked
+    on its own first; when that check fails (the database is down, say) the lane does not
+    answer, and the long way gives DRF's answer."""
+    from django.db import OperationalError
+
+    from sageproject import express
+
+    def down(*args, **kwargs):
+        raise OperationalError("the database went away")
+
+    token = await _token(alice)
+    lane, answered = _recording_lane()
+    full = _lane_and_full()[1]
+    body = b'{"session": '
+    await _submit_fresh(lane, alice, token, make_session)  # the token is cached now
+    monkeypatch.setattr(express, "check_credential", down)
+    answers = []
+    for handler in (lane, full):
+        headers: list[Any] = []
+        status, content = await _request(
+            handler, "POST", "/api/v1/runs/", token, body, answer=headers
+        )
+        answers.append(_comparable(status, headers, content))
+    assert answers[0] == answers[1]
+    assert answers[0][0] == 400
+    assert answered == [True, False]
+
+
 # What changes between a first submission (which puts alice's token row in the lane's cache)
 # and a second one: (change, the second's body, its answer, whether it admits a run).
 CHANGED_MEANWHILE = {

@@ -3,6 +3,8 @@ on every database."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
@@ -93,3 +95,53 @@ def test_the_lookup_is_a_prepared_statement_on_postgresql(alice):
         prepared = cursor.fetchall()
     lookups = [n for text, n in prepared if "authtoken_token" in text]
     assert lookups == [3], prepared
+
+
+def _reading(monkeypatch) -> list[str]:
+    """The keys `TokenAuthentication` reads from the database, as it reads them."""
+    reads: list[str] = []
+    row = TokenAuthentication._row
+
+    def counting(self, key):
+        reads.append(key)
+        return row(self, key)
+
+    monkeypatch.setattr(TokenAuthentication, "_row", counting)
+    return reads
+
+
+def _cached(authenticator: TokenAuthentication, key: str) -> Any:
+    from django.test import RequestFactory
+
+    request = RequestFactory().post("/api/v1/runs/", HTTP_AUTHORIZATION=f"Token {key}")
+    user, token, credential = authenticator.authenticate_cached(request)
+    assert (token.key, credential.params[:2]) == (key, (key, user.pk))
+    return user
+
+
+def test_the_lanes_cache_reads_a_row_again_once_it_is_old(alice, monkeypatch):
+    from sageproject import authentication
+
+    reads = _reading(monkeypatch)
+    key = Token.objects.create(user=alice).key
+    authenticator = TokenAuthentication()
+    _cached(authenticator, key)
+    _cached(authenticator, key)
+    assert reads == [key]
+    monkeypatch.setattr(authentication, "CACHE_SECONDS", 0.0)
+    assert _cached(authenticator, key).pk == alice.pk
+    assert reads == [key, key]
+
+
+def test_the_lanes_cache_keeps_at_most_its_size_the_oldest_read_going_first(
+    alice, bob, monkeypatch
+):
+    from sageproject import authentication
+
+    reads = _reading(monkeypatch)
+    monkeypatch.setattr(authentication, "CACHE_SIZE", 1)
+    first, second = Token.objects.create(user=alice).key, Token.objects.create(user=bob).key
+    authenticator = TokenAuthentication()
+    for key in (first, first, second, second, first):
+        _cached(authenticator, key)
+    assert reads == [first, second, first]
