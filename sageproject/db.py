@@ -83,9 +83,24 @@ def database_url(alias: str = "default", name: str | None = None) -> str:
     return f"{scheme}://{auth}@{host}{port}/{quote(name or s['NAME'])}{suffix}"
 
 
+@functools.cache
+def _transient_classes() -> tuple[type[BaseException], ...]:
+    classes: list[type[BaseException]] = [OperationalError, InterfaceError, InternalError]
+    try:
+        import psycopg
+    except ImportError:  # no PostgreSQL driver installed
+        return tuple(classes)
+    # The driver's own, raised where a statement runs on the raw connection outside
+    # Django's error wrapper (a listener's connection, the connection pool).
+    return (*classes, psycopg.OperationalError, psycopg.InterfaceError, psycopg.InternalError)
+
+
 def transient_database_error(exc: BaseException) -> bool:
-    """The database restarting or a dropped connection (not a refused statement)."""
-    return isinstance(exc, OperationalError | InterfaceError | InternalError)
+    """The database restarting, unreachable, or ending the session — PostgreSQL's class 25
+    (a session left idle in its transaction) comes as ``InternalError`` — rather than a
+    statement it refused (a programming, integrity or data error). The one rule for "retry
+    it" of the worker's claims, its outcomes' commits and the session store's writes."""
+    return isinstance(exc, _transient_classes())
 
 
 async def retry_transient(

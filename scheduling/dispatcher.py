@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import InterfaceError, InternalError, OperationalError
 from django.utils import timezone
 
 from sageproject.db import db_call, retry_transient, transient_database_error
@@ -90,8 +89,7 @@ def is_transient(exc: BaseException) -> bool:
     as ``InternalError``). A schema or programming error is permanent."""
     if isinstance(exc, SageError):
         return exc.retryable
-    transient = OSError | TimeoutError | OperationalError | InterfaceError | InternalError
-    return isinstance(exc, transient)
+    return isinstance(exc, OSError | TimeoutError) or transient_database_error(exc)
 
 
 def _stop_requests(run_ids: list[Any]) -> list[tuple[str, str]]:

@@ -33,15 +33,18 @@ from django.db import (
     DEFAULT_DB_ALIAS,
     DatabaseError,
     IntegrityError,
-    InterfaceError,
-    InternalError,
-    OperationalError,
     connections,
     transaction,
 )
 from django.utils import timezone
 
-from sageproject.db import db_call, one_transaction, pipeline_supported, prepared
+from sageproject.db import (
+    db_call,
+    one_transaction,
+    pipeline_supported,
+    prepared,
+    transient_database_error,
+)
 from sageproject.errors import (
     ConflictError,
     NotFoundError,
@@ -732,12 +735,13 @@ def _translate(exc: BaseException, session_id: str | None) -> BaseException:
         return exc
     if isinstance(exc, IntegrityError):
         error: SageError = session_conflict(session_id or "?")
-    elif isinstance(exc, DatabaseError):
+    elif isinstance(exc, DatabaseError) or transient_database_error(exc):
         # The database being unreachable, restarting or ending the session is worth
         # retrying; a statement it refuses (a programming or data error) is not.
-        transient = isinstance(exc, OperationalError | InterfaceError | InternalError)
         error = UnavailableError(
-            "store.write_failed", f"the event write failed: {exc}", retryable=transient
+            "store.write_failed",
+            f"the event write failed: {exc}",
+            retryable=transient_database_error(exc),
         )
     else:
         return exc

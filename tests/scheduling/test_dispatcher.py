@@ -17,7 +17,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
-from sageproject.db import db_call
+from sageproject.db import db_call, transient_database_error
 from scheduling.db_scheduler import DatabaseScheduler
 from scheduling.dispatcher import Dispatcher, StopSignal, is_transient
 from scheduling.models import Event, Run, RunStatus, Session, WorkerSnapshot
@@ -329,6 +329,30 @@ def test_it_classifies_claim_errors():
     assert is_transient(RateLimitedError("scheduler.queue_full", "full"))
     assert not is_transient(ProgrammingError("no such table"))
     assert not is_transient(ValueError("bug"))
+
+
+def test_the_drivers_own_connection_errors_are_transient_everywhere():
+    """A statement on the raw psycopg connection (outside Django's error wrapper) fails with
+    the driver's classes: the claim retries them, and the store's writes say retryable."""
+    psycopg = pytest.importorskip("psycopg")
+    from django.db import ProgrammingError
+
+    from scheduling.store import _translate
+
+    lost = psycopg.OperationalError("server closed the connection unexpectedly")
+    for exc in (
+        lost,
+        psycopg.errors.AdminShutdown("terminating connection due to administrator command"),
+        psycopg.InterfaceError("the connection is closed"),
+    ):
+        assert transient_database_error(exc)
+        assert is_transient(exc)
+    error = _translate(lost, "s1")
+    assert (error.code, error.retryable, error.__cause__) == ("store.write_failed", True, lost)
+    refused = _translate(ProgrammingError("no such table"), "s1")
+    assert (refused.code, refused.retryable) == ("store.write_failed", False)
+    assert not transient_database_error(psycopg.ProgrammingError("syntax error"))
+    assert _translate(ValueError("bug"), "s1").__class__ is ValueError
 
 
 def test_it_rejects_invalid_limits():
