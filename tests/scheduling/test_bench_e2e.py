@@ -8,6 +8,7 @@ no rows behind. No timing is asserted.
 from __future__ import annotations
 
 from io import StringIO
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -189,6 +190,8 @@ def test_host_paths_without_peers() -> None:
     assert paths == (host_paths if postgres else ["peer", *host_paths])
     for line in lines:
         assert {"cpus", "load_1m"} <= line.keys()
+        if Path("/proc/stat").exists():
+            assert 0 <= line["steal_pct"] <= 100
     if not postgres:
         peer = lines.pop(0)
         assert peer["peer"] == "celery" and "PostgreSQL only" in peer["skipped"]

@@ -49,6 +49,11 @@ on stderr only when it is a terminal):
 - ``event_to_sse``: the same runs' durable ``run.completed`` event, from its ``created_at``
   to its arrival at the client, and from just before the submit call to that arrival.
 
+Every line also says what the machine was doing: ``cpus``, ``load_1m`` and, on Linux,
+``steal_pct`` — the share of the machine's CPU time since the line before that its
+hypervisor gave to other machines (a virtual machine's noisy neighbours; a path measured
+while it is high ran on a slower machine than the figures around it).
+
 Before the latency path (this host's and each peer's) and the streaming paths, what the
 benchmark process built so far is moved out of the garbage collector's sight
 (`settle_collector`): a collection of the load generator's own heap is not the server's time.
@@ -278,6 +283,20 @@ def tidy_tables() -> None:
         else:
             cursor.execute("ANALYZE")
     write_back()
+
+
+def cpu_jiffies() -> tuple[int, int] | None:
+    """The machine's stolen and total CPU time so far (Linux ``/proc/stat``, in clock
+    ticks): steal is the time a virtual machine's CPUs waited for the hypervisor, which
+    gave it to other machines. None where there is no ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is counted in user).
+    ticks = [int(value) for value in fields[1:9]]
+    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks)
 
 
 def write_back() -> None:
@@ -1281,12 +1300,21 @@ class Command(BaseCommand):
         parser.add_argument("--peer-driver", default=None, help=argparse.SUPPRESS)
 
     def _emit(self, line: dict[str, Any]) -> None:
-        # The machine's size and load while the path ran (a shared machine skews figures).
+        # The machine's size and load while the path ran (a shared machine skews figures),
+        # and the share of its CPU time the hypervisor gave to others since the line before.
         line = {**line, "cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2)}
+        # Lines written together (token_to_sse and event_to_sse) share their interval.
+        now, mark = cpu_jiffies(), getattr(self, "_cpu_mark", None)
+        if now is not None and mark is not None and now[1] > mark[1]:
+            self._steal = round(100 * (now[0] - mark[0]) / (now[1] - mark[1]), 1)
+            self._cpu_mark = now
+        if getattr(self, "_steal", None) is not None:
+            line["steal_pct"] = self._steal
         self.stdout.write(orjson.dumps(line).decode())
         self.stdout.flush()
 
     def handle(self, *args: Any, **options: Any) -> None:
+        self._cpu_mark = cpu_jiffies()
         for name in (
             "n",
             "latency_n",
