@@ -49,10 +49,12 @@ on stderr only when it is a terminal):
 - ``event_to_sse``: the same runs' durable ``run.completed`` event, from its ``created_at``
   to its arrival at the client, and from just before the submit call to that arrival.
 
-Every line also says what the machine was doing: ``cpus``, ``load_1m`` and, on Linux,
+Every line also says what the machine was doing: ``cpus``, ``load_1m``, on Linux
 ``steal_pct`` — the share of the machine's CPU time since the line before that its
-hypervisor gave to other machines (a virtual machine's noisy neighbours; a path measured
-while it is high ran on a slower machine than the figures around it).
+hypervisor gave to other machines — and ``cpu_speed`` (`cpu_speed`: millions of iterations
+per second of a fixed Python loop on one CPU, just before the line is written). A shared
+virtual machine can run at half its usual speed while its host is busy, with no steal: the
+figures of runs made at different speeds are not comparable, those of one run are.
 
 Before the latency path (this host's and each peer's) and the streaming paths, what the
 benchmark process built so far is moved out of the garbage collector's sight
@@ -297,6 +299,18 @@ def cpu_jiffies() -> tuple[int, int] | None:
     # user nice system idle iowait irq softirq steal (guest time is counted in user).
     ticks = [int(value) for value in fields[1:9]]
     return (ticks[7] if len(ticks) > 7 else 0), sum(ticks)
+
+
+def cpu_speed(seconds: float = 0.2) -> float:
+    """How fast one CPU runs Python now: millions of iterations per second of a fixed loop,
+    for ``seconds``. The same machine gives about the same figure from run to run; a shared
+    virtual machine whose host is busy can run at half of it without any steal."""
+    count = 0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(10_000):
+            count += 1
+    return round(count / seconds / 1e6, 1)
 
 
 def write_back() -> None:
@@ -1310,6 +1324,7 @@ class Command(BaseCommand):
             self._cpu_mark = now
         if getattr(self, "_steal", None) is not None:
             line["steal_pct"] = self._steal
+        line["cpu_speed"] = cpu_speed()
         self.stdout.write(orjson.dumps(line).decode())
         self.stdout.flush()
 
