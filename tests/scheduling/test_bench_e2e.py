@@ -190,7 +190,8 @@ def test_host_paths_without_peers() -> None:
     assert paths == (host_paths if postgres else ["peer", *host_paths])
     for line in lines:
         assert {"cpus", "load_1m"} <= line.keys() and line["cpu_speed"] > 0
-        if Path("/proc/stat").exists():
+        if Path("/proc/stat").exists() and "skipped" not in line:
+            # A measured path's line; a peer skipped at once may come before a clock tick.
             assert 0 <= line["steal_pct"] <= 100
     if not postgres:
         peer = lines.pop(0)
