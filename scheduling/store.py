@@ -733,15 +733,14 @@ def _point(commit: _Commit) -> str:
 def _translate(exc: BaseException, session_id: str | None) -> BaseException:
     if isinstance(exc, SageError):
         return exc
+    # The database being unreachable, restarting or ending the session is worth retrying;
+    # a statement it refuses (a programming or data error) is not.
+    transient = transient_database_error(exc)
     if isinstance(exc, IntegrityError):
         error: SageError = session_conflict(session_id or "?")
-    elif isinstance(exc, DatabaseError) or transient_database_error(exc):
-        # The database being unreachable, restarting or ending the session is worth
-        # retrying; a statement it refuses (a programming or data error) is not.
+    elif transient or isinstance(exc, DatabaseError):
         error = UnavailableError(
-            "store.write_failed",
-            f"the event write failed: {exc}",
-            retryable=transient_database_error(exc),
+            "store.write_failed", f"the event write failed: {exc}", retryable=transient
         )
     else:
         return exc

@@ -1313,23 +1313,27 @@ class Command(BaseCommand):
         )
         parser.add_argument("--peer-driver", default=None, help=argparse.SUPPRESS)
 
-    def _emit(self, line: dict[str, Any]) -> None:
-        # The machine's size and load while the path ran (a shared machine skews figures),
-        # and the share of its CPU time the hypervisor gave to others since the line before.
-        line = {**line, "cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2)}
-        # Lines written together (token_to_sse and event_to_sse) share their interval.
-        now, mark = cpu_jiffies(), getattr(self, "_cpu_mark", None)
-        if now is not None and mark is not None and now[1] > mark[1]:
-            self._steal = round(100 * (now[0] - mark[0]) / (now[1] - mark[1]), 1)
-            self._cpu_mark = now
-        if getattr(self, "_steal", None) is not None:
-            line["steal_pct"] = self._steal
-        line["cpu_speed"] = cpu_speed()
+    def _write(self, line: dict[str, Any]) -> None:
         self.stdout.write(orjson.dumps(line).decode())
         self.stdout.flush()
 
+    def _emit(self, line: dict[str, Any]) -> None:
+        """Write a result line with what the machine was doing: its size and load while the
+        path ran (a shared machine skews figures), the share of its CPU time the hypervisor
+        gave to others since the line before, and its speed now."""
+        line = {**line, "cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2)}
+        now, mark = cpu_jiffies(), self._cpu_mark
+        # Lines written together (token_to_sse and event_to_sse) share their interval.
+        if now is not None and mark is not None and now[1] > mark[1]:
+            self._steal = round(100 * (now[0] - mark[0]) / (now[1] - mark[1]), 1)
+            self._cpu_mark = now
+        if self._steal is not None:
+            line["steal_pct"] = self._steal
+        line["cpu_speed"] = cpu_speed()
+        self._write(line)
+
     def handle(self, *args: Any, **options: Any) -> None:
-        self._cpu_mark = cpu_jiffies()
+        self._cpu_mark, self._steal = cpu_jiffies(), None
         for name in (
             "n",
             "latency_n",
@@ -1352,7 +1356,8 @@ class Command(BaseCommand):
             options["db_worker_processes"] = min(options["concurrency"], 2 * (os.cpu_count() or 1))
         if options["peer_driver"]:
             with sigterm_as_exit():
-                self._emit(peer_driver(options["peer_driver"], options))
+                # Bare: the parent writes the line again with the machine's figures.
+                self._write(peer_driver(options["peer_driver"], options))
             return
         # The HTTP client's per-request INFO lines would bury the progress and the results.
         logging.getLogger("httpx").setLevel(logging.WARNING)
