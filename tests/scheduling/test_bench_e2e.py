@@ -266,3 +266,12 @@ def test_write_back_asks_postgresql_for_a_checkpoint_or_skips_without_the_privil
         with connection.cursor() as cursor:
             cursor.execute("RESET ROLE")
             cursor.execute(f'DROP ROLE "{role}"')
+
+
+def test_the_peers_are_given_every_option_of_the_method() -> None:
+    """The peers execute the same history and the same paths as this host: each option the
+    shared measurement reads reaches their driver subprocess."""
+    from scheduling.management.commands.bench_e2e import DRIVER_OPTIONS
+
+    method = {"history", "n", "latency_n", "rate", "submit_threads", "concurrency", "timeout"}
+    assert method <= set(DRIVER_OPTIONS)
