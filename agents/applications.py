@@ -67,6 +67,8 @@ class PreparedAgent:
     max_steps: int
     # ``ModelRecordView`` below (decrypted once, in a thread).
     record: Any
+    # Tools whose calls wait for the user's approval (the manifest's ``approval``).
+    approval: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -582,6 +584,7 @@ def build_application_sync(key: ApplicationKey, tools: ToolRegistry) -> Applicat
             ),
             max_steps=int(definition["max_steps"]),
             record=record_view(record),
+            approval=frozenset(definition.get("approval", ())),
         )
     return Application(
         key=key,

@@ -68,12 +68,12 @@ from sageproject import logs as sage_logs
 from sageproject.db import db_call, retry_transient
 from sageproject.errors import ErrorCategory, NotFoundError, SageError
 from scheduling import live, runs
-from scheduling.dispatcher import StopSignal
 from scheduling.figures import FIRST_TOKEN, MODEL_TOKENS, Figures
 from scheduling.leases import FenceRejected
 from scheduling.models import Run, RunStatus, run_cancelled_error, run_interrupted_error
 from scheduling.runs import Fence, Outcome, Start
 from scheduling.store import append_events, get_default_coordinator
+from scheduling.worker import StopSignal
 
 logger = logging.getLogger("sage.execution")
 
@@ -695,9 +695,8 @@ class RunExecutor:
             else:
                 entry = agents[prepared.agent_id]
                 # Tools whose calls wait for the user (agent sessions; flows never wait).
-                approval = frozenset(app.manifest.agent(prepared.agent_id).get("approval", ()))
                 outcome = await run_turn(
-                    dataclasses.replace(self._turn(entry), approval=approval),
+                    dataclasses.replace(self._turn(entry), approval=entry.approval),
                     history,
                     call_model=lambda request: self._stream_model(
                         entry.record, prepared.owner_id, request, prepared

@@ -6,7 +6,7 @@ The values (`WorkItem`, `WorkerLease`, the claim policy and capabilities), the e
 protocol, the quota group that members of one process share, and `SchedulerBase`: the
 bookkeeping both backends keep alike (limits, idempotency and terminal keys, leases) and
 their claim loop. Backends: `scheduling.memory.InMemoryScheduler` (one event loop) and
-`scheduling.db_scheduler.DatabaseScheduler` (``Run`` rows, across processes).
+`scheduling.worker.DatabaseScheduler` (``Run`` rows, across processes).
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ from pooling.budget import ModelConcurrencyBudget
 from pooling.providers.base import ModelRequest, TextDelta
 from sageproject.errors import SageError
 from scheduling import runs
-from scheduling.dispatcher import StopSignal
 from scheduling.figures import FIRST_TOKEN, MODEL_TOKENS
 from scheduling.models import Event, Run, RunStatus
 from scheduling.runs import Fence
+from scheduling.worker import StopSignal
 from tests.conftest import demo_manifest, scripted_model
 from tests.pooling.upstream import upstream_fixture
 

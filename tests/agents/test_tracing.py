@@ -24,8 +24,8 @@ from agents.executor import RunExecutor
 from agents.services import packages, sessions
 from sageproject import config
 from scheduling import runs
-from scheduling.dispatcher import StopSignal
 from scheduling.models import RunStatus
+from scheduling.worker import StopSignal
 from tests.agents.test_executor import claim
 from tests.conftest import demo_manifest, scripted_model
 from tests.e2e.test_management import FLOW_MANIFEST

@@ -1,6 +1,6 @@
 """Several workers on one database, in one process: what they share and whose clock counts.
 
-- The global limit is dealt out among the live workers (`db_scheduler.fair_share`): two
+- The global limit is dealt out among the live workers (`scheduling.worker.fair_share`): two
   dispatchers that could each fill it alone execute about as many runs each, and neither
   ever holds more than its share — where, without the rule, the one whose slots free first
   takes every freed run.
@@ -24,15 +24,19 @@ from django.db import OperationalError
 from django.utils import timezone
 
 from sageproject.db import db_call
-from scheduling import dispatcher as dispatcher_module
 from scheduling import worker as worker_module
-from scheduling.db_scheduler import DatabaseScheduler, fair_share, live_worker_slots
-from scheduling.dispatcher import Dispatcher, StopSignal
 from scheduling.models import Run, RunStatus, WorkerSnapshot
 from scheduling.runs import Fence, Outcome, db_now
 from scheduling.scheduler import SchedulerQuotaGroup
 from scheduling.store import append_events, close_default_coordinator
-from scheduling.worker import Worker
+from scheduling.worker import (
+    DatabaseScheduler,
+    Dispatcher,
+    StopSignal,
+    Worker,
+    fair_share,
+    live_worker_slots,
+)
 from tests.scheduling.test_dispatcher import FakeExecutor, make_runs
 
 BOUND = 60.0
@@ -255,7 +259,7 @@ async def test_a_worker_whose_clock_runs_ahead_keeps_a_lease_whose_renewal_faile
 ):
     # With the host's clock an hour ahead, comparing it with the database's lease expiry
     # would call the lease lost at the first failed renewal.
-    monkeypatch.setattr(dispatcher_module, "timezone", SkewedClock(timedelta(hours=1)))
+    monkeypatch.setattr(worker_module, "timezone", SkewedClock(timedelta(hours=1)))
     runs = await db_call(make_runs, 1, 1)
     scheduler = FlakyRenewals()
     executor = TimedExecutor(runs, hold=2.5)  # across two renewals

@@ -18,12 +18,11 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from sageproject.db import db_call, transient_database_error
-from scheduling.db_scheduler import DatabaseScheduler
-from scheduling.dispatcher import Dispatcher, StopSignal, is_transient
 from scheduling.models import Event, Run, RunStatus, Session, WorkerSnapshot
 from scheduling.runs import Fence, Outcome
 from scheduling.scheduler import SchedulerQuotaGroup
 from scheduling.store import append_events, close_default_coordinator
+from scheduling.worker import DatabaseScheduler, Dispatcher, StopSignal, is_transient
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 

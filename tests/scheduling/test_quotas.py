@@ -16,12 +16,11 @@ import pytest
 from django.db.models import Count
 
 from sageproject.db import db_call
-from scheduling.db_scheduler import DatabaseScheduler
-from scheduling.dispatcher import Dispatcher, StopSignal
 from scheduling.models import Run, RunStatus
 from scheduling.runs import Fence, Outcome
 from scheduling.scheduler import SchedulerQuotaGroup
 from scheduling.store import append_events, close_default_coordinator
+from scheduling.worker import DatabaseScheduler, Dispatcher, StopSignal
 from tests.hosts.test_sharing import publish_snapshots
 from tests.scheduling.test_dispatcher import FakeExecutor, make_runs, seqs_by_session
 

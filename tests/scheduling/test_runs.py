@@ -600,7 +600,7 @@ async def test_a_stale_workers_job_event_is_rejected(alice, make_session):
     from asgiref.sync import sync_to_async
 
     from agents.jobs.records import append_job_event
-    from scheduling import dispatcher
+    from scheduling import worker
 
     session = await sync_to_async(make_session)(alice)
     run = await sync_to_async(submit)(alice, session)
@@ -608,11 +608,11 @@ async def test_a_stale_workers_job_event_is_rejected(alice, make_session):
     await sync_to_async(expire)(stale)
     await sync_to_async(runs.reap)()
     await sync_to_async(claim_one)("other-worker")
-    dispatcher._live_fences[str(run.pk)] = stale  # this worker still believes it holds it
+    worker._live_fences[str(run.pk)] = stale  # this worker still believes it holds it
     try:
         assert not await append_job_event(session.pk, run.pk, "job.completed", {"id": "j"})
     finally:
-        dispatcher._live_fences.pop(str(run.pk), None)
+        worker._live_fences.pop(str(run.pk), None)
         await close_default_coordinator()
     assert not await Event.objects.filter(run_id=run.pk).aexists()
 

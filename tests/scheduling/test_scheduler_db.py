@@ -25,7 +25,6 @@ from django.utils import timezone
 from agents.models import ManagedAgentRecord
 from sageproject.db import db_call
 from scheduling import runs
-from scheduling.db_scheduler import REAP_SECONDS, DatabaseScheduler, lease_fence
 from scheduling.models import Event, FenceSequence, Run, RunQueue, RunStatus, Session
 from scheduling.runs import Fence
 from scheduling.scheduler import (
@@ -35,6 +34,7 @@ from scheduling.scheduler import (
     SchedulerQuotaGroup,
     WorkItem,
 )
+from scheduling.worker import REAP_SECONDS, DatabaseScheduler, lease_fence
 from tests.scheduling.scheduler_contract import (
     LEASE,
     SchedulerContract,

@@ -695,10 +695,10 @@ def ensure_scripted_record() -> Any:
 
 async def claim_path(owners: list[Any], sizes: list[int], repeat: int) -> dict[str, Any]:
     from sageproject.db import db_call
-    from scheduling.db_scheduler import DatabaseScheduler
     from scheduling.leases import LeaseReleaseReason
     from scheduling.management.commands.bench_persist import queue_runs
     from scheduling.models import Session
+    from scheduling.worker import DatabaseScheduler
 
     def seed(size: int) -> None:
         for index, owner in enumerate(owners):

@@ -54,7 +54,6 @@ from django.db import connections, transaction
 
 from sageproject.db import db_call
 from sageproject.progress import note
-from scheduling.db_scheduler import DatabaseScheduler
 from scheduling.management.commands.bench_persist import (
     add_backend_argument,
     bench_users,
@@ -70,11 +69,12 @@ from scheduling.scheduler import (
     WorkerLease,
     WorkItem,
 )
+from scheduling.worker import DatabaseScheduler
 
 LEASE = timedelta(hours=1)
 SMALL_USERS = ("B", "C", "D", "E")
 USERS = ("A", *SMALL_USERS)
-# The dispatcher's idle wait between empty claims (scheduling.dispatcher).
+# The dispatcher's idle wait between empty claims (scheduling.worker).
 IDLE_START, IDLE_MAX = 0.05, 0.5
 
 

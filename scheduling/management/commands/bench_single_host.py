@@ -58,7 +58,6 @@ from django.db import connections
 from sageproject.db import db_call
 from sageproject.progress import note
 from scheduling import runs
-from scheduling.db_scheduler import DatabaseScheduler, lease_fence
 from scheduling.management.commands.bench_persist import (
     PAYLOAD,
     add_backend_argument,
@@ -70,6 +69,7 @@ from scheduling.management.commands.bench_persist import (
 from scheduling.models import Event, Run, RunStatus
 from scheduling.scheduler import InMemoryScheduler, WorkerLease, WorkItem
 from scheduling.store import append_events, close_default_coordinator, get_default_coordinator
+from scheduling.worker import DatabaseScheduler, lease_fence
 
 T = TypeVar("T")
 LEASE = timedelta(hours=1)
