@@ -1162,7 +1162,6 @@ PEER_MODULES = {
     "procrastinate": "procrastinate",
     "django-tasks-db": "django_tasks_db",
 }
-# The options a peer's driver process is given as this command was (by their dest names).
 # What each peer's driver subprocess is given of this command's options: everything its
 # measurement reads, so that the peers and this host run the same method.
 DRIVER_OPTIONS = (
