@@ -73,7 +73,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -121,8 +121,6 @@ from scheduling.wakeups import Listener
 logger = logging.getLogger("sage.worker")
 
 # ----------------------------------------------------------------- the door to the Run table
-
-T = TypeVar("T")
 
 POLL_START, POLL_MAX = 0.05, 1.0
 # Dead leases are looked for at most this often by the claims of one scheduler (a lease is
@@ -296,9 +294,6 @@ class DatabaseScheduler(SchedulerBase):
             limit = min(limit, self._group.max_pending)
         return limit
 
-    async def _db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await db_call(fn, *args, **kwargs)
-
     # ----------------------------------------------------------------- pending
 
     def _pending_sync(self) -> int:
@@ -309,7 +304,7 @@ class DatabaseScheduler(SchedulerBase):
 
     async def pending_count(self) -> int:
         """Queued root runs (of this scheduler's queue, if it has one) in the database."""
-        return await self._db(self._pending_sync)
+        return await db_call(self._pending_sync)
 
     # ----------------------------------------------------------------- submit
 
@@ -365,7 +360,7 @@ class DatabaseScheduler(SchedulerBase):
         """
         if self._already_known(self._works.get(work.work_id), work):
             return False
-        accepted = await self._db(self._submit_sync, work)
+        accepted = await db_call(self._submit_sync, work)
         if not accepted:
             return False
         self._works[work.work_id] = work
@@ -392,7 +387,7 @@ class DatabaseScheduler(SchedulerBase):
     async def reap_expired(self) -> int:
         """End every dead lease (requeued as a crash; cancelled if a cancel was requested;
         failed once the crash budget is used up); return how many runs were touched."""
-        reaped = await self._db(
+        reaped = await db_call(
             runs.reap, max_crashes=self.max_attempts, using=self.using, clock=self._clock
         )
         self._after_reap(reaped)
@@ -402,7 +397,7 @@ class DatabaseScheduler(SchedulerBase):
         """Correct the pending counters from the queued runs themselves (queued rows that
         went without a transition: a deleted session, an import); returns how many counters
         were wrong (logged)."""
-        wrong = await self._db(pending.reconcile, using=self.using)
+        wrong = await db_call(pending.reconcile, using=self.using)
         if wrong:
             logger.warning("pending counts corrected: %d counter(s) were off", wrong)
         return wrong
@@ -447,7 +442,7 @@ class DatabaseScheduler(SchedulerBase):
         if reap:
             self._next_reap = now + REAP_SECONDS
         look_first, self._pushed = not self._pushed, False
-        grants, reaped = await self._db(
+        grants, reaped = await db_call(
             runs.claim,
             worker_id=worker_id,
             duration=duration,
@@ -486,7 +481,7 @@ class DatabaseScheduler(SchedulerBase):
         if now >= self._due(self._next_share, SHARE_SECONDS):
             self._next_share = now + SHARE_SECONDS
             try:
-                self._live = await self._db(live_worker_slots, self.using)
+                self._live = await db_call(live_worker_slots, self.using)
             except Exception as exc:  # the claim itself reports database trouble
                 logger.debug("reading the live workers failed: %s", exc)
         max_active = self._group.max_active if self._group is not None else None
@@ -517,10 +512,10 @@ class DatabaseScheduler(SchedulerBase):
         """Seconds until the queue's next run becomes available or lease expires, on the
         database's clock (an idle claim's look between polls, counted in ``polls``)."""
         self.polls += 1
-        due = await self._db(runs.next_due, self.queue, using=self.using)
+        due = await db_call(runs.next_due, self.queue, using=self.using)
         if due is None:
             return None
-        now = await self._db(runs.db_now, self.using, self._clock)
+        now = await db_call(runs.db_now, self.using, self._clock)
         return max((due - now).total_seconds(), 0.001)
 
     def _lease_from_grant(self, grant: Grant, worker_id: str) -> WorkerLease:
@@ -579,7 +574,7 @@ class DatabaseScheduler(SchedulerBase):
         non-positive duration.
         """
         duration = _as_timedelta(lease_duration)
-        expires = await self._db(
+        expires = await db_call(
             runs.renew,
             lease_fence(lease),
             duration,
@@ -601,12 +596,12 @@ class DatabaseScheduler(SchedulerBase):
     async def assert_fence(self, lease: WorkerLease) -> None:
         """Return if ``lease`` still owns its run (unexpired); raise
         ``scheduler.fence_rejected``."""
-        if not await self._db(self._held_sync, lease_fence(lease)):
+        if not await db_call(self._held_sync, lease_fence(lease)):
             self._leases.pop(lease.lease_id, None)
             raise FenceRejected(lease.run_id)
 
     async def _requeue(self, lease: WorkerLease, error: Mapping[str, Any] | None = None) -> bool:
-        return await self._db(
+        return await db_call(
             runs.requeue,
             lease_fence(lease),
             error=dict(error) if error is not None else None,
@@ -636,9 +631,9 @@ class DatabaseScheduler(SchedulerBase):
         if requeue or reason is LeaseReleaseReason.WORKER_SHUTDOWN:
             ok = await self._requeue(lease, error)
         elif reason is LeaseReleaseReason.SUSPENDED:
-            ok = await self._db(self._suspend_sync, fence, dict(error or {}))
+            ok = await db_call(self._suspend_sync, fence, dict(error or {}))
         else:
-            ok = await self._db(
+            ok = await db_call(
                 self._finish_sync, fence, _RELEASE_STATUS[reason], dict(error) if error else None
             )
         self._leases.pop(lease.lease_id, None)
@@ -678,7 +673,7 @@ class DatabaseScheduler(SchedulerBase):
         run_id = self._resolve(work_id)
         if run_id is None:
             return False
-        cancelled = await self._db(self._cancel_sync, run_id)
+        cancelled = await db_call(self._cancel_sync, run_id)
         lease = self._lease_of_run(run_id)
         if lease is not None:
             del self._leases[lease.lease_id]
