@@ -47,7 +47,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import (
@@ -264,12 +264,35 @@ def _archive(run_id: Any, using: str, flow_outputs: dict[str, Any] | None = None
 # ------------------------------------------------------------------------------ clocks
 
 
+# SQLite has no server and its own clock reads milliseconds (``STRFTIME('%f')``), while a
+# run's times are this host's to the microsecond: a run admitted at 12:00:00.123456 would
+# not be claimable by ``available_at <= now`` until 12:00:00.124, and the worker woken for
+# it within that millisecond would find nothing. Every SQLite connection gets this host's
+# clock as a SQL function instead (`register_sqlite_clock`), in the format Django stores.
+SQLITE_NOW = "sage_utc_now"
+
+
+def _sqlite_utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def register_sqlite_clock(sender: Any, connection: Any, **kwargs: Any) -> None:
+    """``connection_created`` receiver (`scheduling.apps`): ``sage_utc_now()`` on a new
+    SQLite connection."""
+    if connection.vendor == "sqlite":
+        connection.connection.create_function(SQLITE_NOW, 0, _sqlite_utc_now)
+
+
 class DbNow(Now):
     """The database server's current time, in UTC on every backend (Django's ``Now`` is
-    MySQL's session-time-zone ``CURRENT_TIMESTAMP``)."""
+    MySQL's session-time-zone ``CURRENT_TIMESTAMP``); on SQLite this host's, to the
+    microsecond (`SQLITE_NOW`)."""
 
     def as_mysql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
         return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra)
+
+    def as_sqlite(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        return self.as_sql(compiler, connection, template=f"{SQLITE_NOW}()", **extra)
 
 
 def now_expr(clock: Clock = None) -> Any:
@@ -1322,7 +1345,7 @@ def _now_sql(vendor: str) -> str:
         return "STATEMENT_TIMESTAMP()"
     if vendor == "mysql":
         return "UTC_TIMESTAMP(6)"
-    return "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"
+    return f"{SQLITE_NOW}()"
 
 
 def _queued_where(connection: Any, queue: str | None, alias: str = "") -> tuple[str, list[Any]]:

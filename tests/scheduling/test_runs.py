@@ -673,3 +673,28 @@ def test_a_group_of_finishes_lands_together_each_fenced_and_hands_on_each_sessio
     with pytest.raises(FenceRejected), transaction.atomic():
         Finish.apply_many([Finish(stale, RunStatus.COMPLETED)], "default")
     assert Run.objects.get(pk=nxt.run_id).status == RunStatus.RUNNING
+
+
+def test_a_run_is_claimable_the_moment_it_is_admitted(alice, make_session):
+    # A run's ``available_at`` is this host's time to the microsecond. The claim compares it
+    # with the database's clock — the ORM's (``now_expr``) and its own statements'
+    # (``_now_sql``) — which must never read earlier than this host did just before: read
+    # to the millisecond (SQLite's ``STRFTIME('%f')``) it hid a run from a claim made
+    # within the millisecond of its admission.
+    from django.db import connection
+    from django.db.models import DateTimeField, Value
+
+    run = submit(alice, make_session(alice))
+    claimable = Run.objects.filter(pk=run.pk)
+    for _ in range(50):
+        stamp = timezone.now()
+        at = Value(stamp, output_field=DateTimeField())
+        assert claimable.alias(at=at).filter(at__lte=runs.now_expr()).exists()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT %s <= {runs._now_sql(connection.vendor)}",
+                [connection.ops.adapt_datetimefield_value(stamp)],
+            )
+            assert cursor.fetchone()[0]
+    fence = claim_one()
+    assert fence is not None and str(fence.run_id) == str(run.pk)
