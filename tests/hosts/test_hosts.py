@@ -60,6 +60,9 @@ WORDS, TOKEN_DELAY_MS = 8, 120  # about 0.85 s of streaming per run
 # back: a claim looks for dead leases every second, an idle worker polls every second,
 # with room for a loaded machine.
 RECLAIM_BOUND = 6.0
+# A run A claimed at most this long before the cut is far from done (its streaming alone
+# takes about 0.85 s), so the cut costs A that run.
+STARTED_WITHIN = 0.3
 # How long the cut lasts: longer than the lease, and long enough to see it reclaimed.
 CUT_SECONDS = LEASE + 2
 
@@ -140,12 +143,18 @@ def all_completed(the_site: Site, run_ids: list[str]) -> bool:
     return statuses(the_site, run_ids) == {"completed": len(run_ids)}
 
 
-def held_by(the_site: Site, worker_id: str) -> list[tuple[str, datetime]]:
-    """The runs ``worker_id`` holds a lease of: (run id, lease expiry by the database)."""
+def held_by(
+    the_site: Site, worker_id: str, started_within: float | None = None
+) -> list[tuple[str, datetime]]:
+    """The runs ``worker_id`` holds a lease of: (run id, lease expiry by the database);
+    with ``started_within``, only those it claimed at most that many seconds ago."""
     rows = the_site.rows.query(
         "SELECT id::text, lease_expires_at FROM scheduling_run "
-        "WHERE status = 'running' AND lease_owner = %s",
+        "WHERE status = 'running' AND lease_owner = %s"
+        " AND (%s::float8 IS NULL OR started_at > clock_timestamp() - %s * interval '1 second')",
         worker_id,
+        started_within,
+        started_within,
     )
     return rows or []
 
@@ -224,9 +233,12 @@ def test_a_host_cut_off_longer_than_its_lease_loses_its_runs_to_the_others_and_c
         run_ids = s.call("submit", plan=plan, package="hosts")["runs"]
         assert len(run_ids) == USERS * SESSIONS * RUNS
 
-        # Cut A while it executes runs.
+        # Cut A while it executes a run it has only just claimed: that run's streaming
+        # (WORDS tokens, TOKEN_DELAY_MS apart) cannot end before the cable is out, so A
+        # cannot finish it and it is the others' to take back. (A run A was about to finish
+        # may still complete: its commit, sent whole before the cut, lands — see below.)
         held = s.wait(
-            lambda: held_by(s, ids["a"]),
+            lambda: held_by(s, ids["a"], started_within=STARTED_WITHIN),
             timeout=60,
             message="host A to execute runs",
             running=tuple(workers.values()),
