@@ -39,8 +39,6 @@ CHANNEL = "sage_wakeup"
 REDIS_CHANNEL = "sage:wakeup"
 RECONNECT_START, RECONNECT_MAX = 0.2, 5.0
 
-OnWake = Callable[[str, str], None]
-
 
 def socket_dir() -> Path:
     return Path(settings.LOCAL_DIR) / "wakeup"
@@ -303,8 +301,9 @@ class ChannelListener:
 
 
 class Listener(ChannelListener):
-    """A worker's end of the channel: calls ``on_wake(kind, payload)`` on its event loop
-    for every message, reconnecting (with backoff) when the channel drops."""
+    """A worker's end of the channel: every message, as ``(kind, payload)``, waits in its
+    inbox for the worker to take it (`next`), in arrival order; the channel reconnects (with
+    backoff) when it drops."""
 
     pg_channel = CHANNEL
     redis_channel = REDIS_CHANNEL
@@ -312,11 +311,11 @@ class Listener(ChannelListener):
     label = "wake-up"
     logger = logger
 
-    def __init__(self, on_wake: OnWake, *, worker_id: str, using: str = DEFAULT_DB_ALIAS) -> None:
+    def __init__(self, *, worker_id: str, using: str = DEFAULT_DB_ALIAS) -> None:
         super().__init__(using=using)
-        self.on_wake = on_wake
         self.worker_id = worker_id
         self.received = 0
+        self._inbox: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
 
     async def start(self) -> None:
         """Start listening; returns once the channel is listening (or failed once)."""
@@ -333,14 +332,15 @@ class Listener(ChannelListener):
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.worker_id)
         return socket_dir() / f"{safe}-{os.getpid()}.sock"
 
+    async def next(self) -> tuple[str, str]:
+        """The oldest message not yet taken, waiting for one: ``(kind, payload)``."""
+        return await self._inbox.get()
+
     def _deliver(self, data: bytes | str) -> None:
         self.received += 1
         message = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
         kind, _, payload = message.partition(":")
-        try:
-            self.on_wake(kind, payload)
-        except Exception:
-            logger.exception("wake-up handler failed for %r", message)
+        self._inbox.put_nowait((kind, payload))
 
     def _dropped(self, exc: Exception) -> None:
         super()._dropped(exc)

@@ -1318,11 +1318,21 @@ class Worker:
         """Stop claiming; running runs get the grace period (signal-handler safe)."""
         self._stopping.set()
 
+    async def _follow_wakeups(self, wakeups: Listener) -> None:
+        """Hand every push wake-up to the dispatcher, in arrival order."""
+        while True:
+            kind, payload = await wakeups.next()
+            try:
+                self.dispatcher.on_wake(kind, payload)
+            except Exception:
+                logger.exception("handling the wake-up %r failed", f"{kind}:{payload}")
+
     async def run(self) -> None:
         """Run until ``request_stop``; then drain, requeue what is left and return."""
         await self.executor.start()
-        self.wakeups = Listener(self.dispatcher.on_wake, worker_id=self.worker_id)
+        self.wakeups = Listener(worker_id=self.worker_id)
         await self.wakeups.start()
+        woken = asyncio.create_task(self._follow_wakeups(self.wakeups), name="wakeup-follower")
         self.live = LivePublisher()
         await self.live.start()
         live.set_publisher(self.live)
@@ -1339,6 +1349,8 @@ class Worker:
             await self.dispatcher.run(self._stopping)
         finally:
             await self.dispatcher.drain(self.grace_seconds)
+            woken.cancel()
+            await asyncio.gather(woken, return_exceptions=True)
             await self.wakeups.close()
             live.set_publisher(None)
             await self.live.close()
