@@ -1,8 +1,9 @@
 """``manage.py runhost`` (what ``make run`` calls): migrate, seed, serve web + worker.
 
 First run creates a local superuser ``admin`` with a random password and an API token,
-prints them once and keeps them in the git-ignored ``.local/admin_credentials``. Ctrl-C
-stops both processes cleanly (the worker requeues what it could not finish).
+prints them once and keeps them in the git-ignored ``.local/admin_credentials``. Ctrl-C or
+SIGTERM (``kill``, a service manager's stop) stops both processes cleanly: the worker gets
+its grace period (``SAGE_SHUTDOWN_GRACE_SECONDS``) and requeues what it could not finish.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
 
     def handle(self, *args, **options) -> None:
+        # SIGTERM stops the host as Ctrl-C does; by default it would end this process alone
+        # and leave the web process and the worker running.
+        signal.signal(signal.SIGTERM, _interrupt)
         host, port = options["host"], options["port"]
         self.stdout.write("Migrating the database …")
         call_command("migrate", interactive=False, verbosity=0)
@@ -132,6 +136,10 @@ class Command(BaseCommand):
         self.stdout.write("Press Ctrl-C to stop.\n")
 
     def _stop(self, children: list[subprocess.Popen]) -> None:
+        # Stopping is under way: a second Ctrl-C or SIGTERM must not leave the children
+        # behind (the wait below is bounded by the worker's grace period).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
@@ -142,3 +150,7 @@ class Command(BaseCommand):
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
