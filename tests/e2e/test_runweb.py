@@ -1,5 +1,7 @@
 """``manage.py runweb``: several web processes on one port, each with its own listening
-socket (``SO_REUSEPORT``); one that dies is started again; SIGTERM stops them all."""
+socket (``SO_REUSEPORT``); one that dies is started again; SIGTERM stops them all. And
+``manage.py runhost`` (``make run``): SIGTERM stops its web process and worker with it, as
+Ctrl-C does — a ``kill`` of the command must not leave them serving."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from sageproject import webserver
 from tests.pgcluster import free_port
 
 
-def _children(parent: int) -> set[int]:
+def _children(parent: int, marker: bytes | None = b"sageproject.webserver") -> set[int]:
+    """The processes ``parent`` started (those whose command line holds ``marker``)."""
     found = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -28,7 +31,7 @@ def _children(parent: int) -> set[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat[1]) == parent and b"sageproject.webserver" in cmdline:
+        if int(stat[1]) == parent and (marker is None or marker in cmdline):
             found.add(int(entry.name))
     return found
 
@@ -169,3 +172,51 @@ def test_the_web_processes_stop_when_their_supervisor_is_killed() -> None:
 
     _wait(gone, webserver.ORPHAN_CHECK_SECONDS + webserver.GRACEFUL_SHUTDOWN + 5, "orphans to stop")
     assert not _healthy(port)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_stops_the_web_process_and_the_worker_too(tmp_path) -> None:
+    port = free_port()
+    # Its own embedded database, whatever the suite runs on.
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"DATABASE_URL", "SAGE_TEST_DB_NAME", "REDIS_URL"}
+    }
+    env.update(SAGE_LOCAL_DIR=str(tmp_path), SAGE_SHUTDOWN_GRACE_SECONDS="5")
+    host = subprocess.Popen(
+        [sys.executable, "manage.py", "runhost", "--port", str(port)],
+        cwd=settings.BASE_DIR,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    children: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while not (_healthy(port) and len(children := _children(host.pid, None)) == 2):
+            assert host.poll() is None, host.stdout.read()
+            assert time.monotonic() < deadline, "runhost did not start its two processes"
+            time.sleep(0.2)
+        host.send_signal(signal.SIGTERM)
+        assert host.wait(60) == 0
+        assert not [pid for pid in children if _alive(pid)], "a child outlived runhost"
+        assert not _healthy(port)
+        output = host.stdout.read()
+        assert "Sage Host is running." in output
+        assert "Stopping (the worker finishes or requeues running runs)" in output
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
