@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -199,20 +200,31 @@ def test_sigterm_stops_the_web_process_and_the_worker_too(tmp_path) -> None:
         stderr=subprocess.STDOUT,
         text=True,
     )
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in host.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     children: set[int] = set()
     try:
+        # Up once it says so (its banner comes after the web process answers).
         deadline = time.monotonic() + 120
-        while not (_healthy(port) and len(children := _children(host.pid, None)) == 2):
-            assert host.poll() is None, host.stdout.read()
-            assert time.monotonic() < deadline, "runhost did not start its two processes"
+        while not any("Press Ctrl-C to stop." in line for line in lines):
+            assert host.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "runhost did not start"
             time.sleep(0.2)
+        children = _children(host.pid, None)
+        assert len(children) == 2, children
+        assert _healthy(port)
         host.send_signal(signal.SIGTERM)
         assert host.wait(60) == 0
         assert not [pid for pid in children if _alive(pid)], "a child outlived runhost"
         assert not _healthy(port)
-        output = host.stdout.read()
-        assert "Sage Host is running." in output
-        assert "Stopping (the worker finishes or requeues running runs)" in output
+        reader.join(10)
+        assert "Stopping (the worker finishes or requeues running runs)" in "".join(lines)
     finally:
         if host.poll() is None:
             host.kill()
