@@ -388,6 +388,45 @@ async def test_it_recovers_a_dead_workers_run_at_start_up(one_run, settings):
     await asyncio.wait_for(task, BOUND)
 
 
+async def test_an_idle_worker_claims_a_run_when_its_wake_up_arrives(db, monkeypatch):
+    """An idle worker's claim loop waits for a wake-up: with its fallback poll an hour away,
+    a run admitted with a wake-up starts at once — the listener's message reaches the
+    dispatcher through the worker."""
+    from django.db import transaction
+
+    from scheduling import wakeups
+    from scheduling import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "IDLE_START", 3600.0)
+    monkeypatch.setattr(worker_module, "PUSH_IDLE_MAX", 3600.0)
+    known: dict[str, str] = {}
+    executor = BlockingExecutor(known)
+    worker = worker_module.Worker(executor=executor, worker_id="pushed", grace_seconds=0)
+    executor.dispatcher = worker.dispatcher
+    task = asyncio.create_task(worker.run())
+    try:
+        # Idle: its first claim found nothing and the claim loop waits (the poll is far off).
+        deadline = asyncio.get_running_loop().time() + BOUND
+        while not worker.scheduler._ledger.waiters:
+            assert asyncio.get_running_loop().time() < deadline, "the worker never went idle"
+            await asyncio.sleep(0.01)
+
+        def admit() -> dict[str, str]:
+            with transaction.atomic():
+                made = make_runs(1, 1)
+                wakeups.notify("run")
+            return made
+
+        known.update(await db_call(admit))
+        await asyncio.wait_for(executor.started.wait(), BOUND)
+        assert worker.wakeups.snapshot()["received"] >= 1
+        run = await Run.objects.aget(pk=next(iter(known)))
+        assert (run.status, run.lease_owner) == (RunStatus.RUNNING, "pushed")
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, BOUND)
+
+
 async def test_it_fails_a_run_out_of_attempts_at_start_up(db, alice, make_session):
     from agents.models import ManagedAgentRecord
     from scheduling.worker import Worker
