@@ -45,25 +45,27 @@ class Command(BaseCommand):
         base = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         manage = str(Path(settings.BASE_DIR) / "manage.py")
-        web = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "sageproject.asgi:application",
-                "--host",
-                host,
-                "--port",
-                str(port),
-                "--no-access-log",
-                "--lifespan",
-                "off",
-            ],
-            env=env,
-        )
-        worker = subprocess.Popen([sys.executable, manage, "runworker"], env=env)
-        children = [web, worker]
+        children: list[subprocess.Popen] = []
         try:
+            # Started inside the ``try``: a signal between the two starts stops the first.
+            web = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    "sageproject.asgi:application",
+                    "--host",
+                    host,
+                    "--port",
+                    str(port),
+                    "--no-access-log",
+                    "--lifespan",
+                    "off",
+                ],
+                env=env,
+            )
+            children.append(web)
+            children.append(subprocess.Popen([sys.executable, manage, "runworker"], env=env))
             if not self._wait_until_up(f"{base}/healthz", web):
                 raise CommandError(f"the web server did not start on {base}")
             self._banner(base, password, token)
