@@ -162,6 +162,25 @@ SUSPENDING_CODES = frozenset(
 )
 
 
+class _LeasedProvider:
+    """A leased client with its protocol's adapter: the provider the budget wraps.
+
+    ``opened`` is when its stream was asked for, after the budget gave the slot: the
+    first-token figure counts from there, so a wait for the slot is not in it.
+    """
+
+    __slots__ = ("adapter", "client", "opened")
+
+    def __init__(self, adapter: Any, client: Any) -> None:
+        self.adapter = adapter
+        self.client = client
+        self.opened = time.monotonic()
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[Any]:
+        self.opened = time.monotonic()
+        return self.adapter.stream(self.client, request)
+
+
 class _RunEvents:
     """The events of one execution, committed (fenced) in as few transactions as safety
     allows.
@@ -532,35 +551,36 @@ class RunExecutor:
         ) as span:
             adapter = await load_adapter(record.protocol)
             ids = None if run is None else {"session": str(run.session_id), "run": str(run.run_id)}
-            # The slot is held before the provider is asked (a budget error means no upstream
-            # request was sent); the stream sends nothing until it is first read.
-            async with (
-                await self.pool.acquire(owner_id, record) as lease,
-                self.budget.lease(),
-                contextlib.aclosing(adapter.stream(lease.provider, request)) as items,
-            ):
-                sent = time.monotonic()  # the slot's wait is not part of the first token
-                first = True
-                streamed = 0  # characters of this call's text already sent live
-                async for item in items:
-                    if first:
-                        first = False
-                        self.metrics.observe(
-                            FIRST_TOKEN, time.monotonic() - sent, model=record.model
-                        )
-                    if isinstance(item, StreamEnd):
-                        for kind in ("input", "output"):
-                            tokens = int(item.usage.get(f"{kind}_tokens", 0) or 0)
-                            self.metrics.count(MODEL_TOKENS, tokens, model=record.model, type=kind)
-                    span.observe(item)
-                    if ids is not None:
-                        # Live to stream clients; never persisted (the whole message is).
-                        delta = live_delta(item, offset=streamed)
-                        if delta is not None:
-                            live.publish({**ids, **delta})
-                        if isinstance(item, TextDelta):
-                            streamed += len(item.text)
-                    yield item
+            # The budget takes the slot at the first read, before the provider is asked: a
+            # budget error means no upstream request was sent.
+            async with await self.pool.acquire(owner_id, record) as lease:
+                provider = _LeasedProvider(adapter, lease.provider)
+                items = self.budget.wrap(provider).stream(request)
+                async with contextlib.aclosing(items):
+                    first = True
+                    streamed = 0  # characters of this call's text already sent live
+                    async for item in items:
+                        if first:
+                            first = False
+                            # From when the slot let the request go: its wait is not counted.
+                            self.metrics.observe(
+                                FIRST_TOKEN, time.monotonic() - provider.opened, model=record.model
+                            )
+                        if isinstance(item, StreamEnd):
+                            for kind in ("input", "output"):
+                                tokens = int(item.usage.get(f"{kind}_tokens", 0) or 0)
+                                self.metrics.count(
+                                    MODEL_TOKENS, tokens, model=record.model, type=kind
+                                )
+                        span.observe(item)
+                        if ids is not None:
+                            # Live to stream clients; never persisted (the whole message is).
+                            delta = live_delta(item, offset=streamed)
+                            if delta is not None:
+                                live.publish({**ids, **delta})
+                            if isinstance(item, TextDelta):
+                                streamed += len(item.text)
+                        yield item
 
     def _turn(self, agent: PreparedAgent) -> AgentTurn:
         return AgentTurn(

@@ -27,12 +27,13 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
+from collections.abc import AsyncIterator
 from operator import attrgetter
 from typing import Any
 
 from sageproject.errors import ErrorCategory, RateLimitedError
 
-__all__ = ["ModelConcurrencyBudget"]
+__all__ = ["BoundedModelProvider", "ModelConcurrencyBudget"]
 
 QUEUE_FULL_MESSAGE = "Model request queue is full; retry later."
 QUEUE_TIMEOUT_MESSAGE = "Model request timed out waiting for capacity; retry later."
@@ -155,6 +156,18 @@ class ModelConcurrencyBudget:
             "timed_out": self._timed_out,
         }
 
+    def wrap(self, provider: Any) -> BoundedModelProvider:
+        """Return ``provider`` bounded by this budget: its ``stream(request)`` holds a slot.
+
+        The slot covers the stream's whole life. It is returned when the stream ends,
+        fails, is cancelled or is closed early. Wrapping a provider this budget already
+        bounds returns it unchanged, so one stream never takes two slots. Every other
+        attribute is the wrapped provider's.
+        """
+        if isinstance(provider, BoundedModelProvider) and provider.budget is self:
+            return provider
+        return BoundedModelProvider(provider, self)
+
     # -- internals ------------------------------------------------------------------
 
     async def _acquire_slow(self) -> None:
@@ -233,3 +246,59 @@ class ModelConcurrencyBudget:
 
     def __repr__(self) -> str:
         return f"ModelConcurrencyBudget({self.snapshot()!r})"
+
+
+class BoundedModelProvider:
+    """A model provider whose every stream holds one slot of a ``ModelConcurrencyBudget``.
+
+    Made by ``budget.wrap(provider)``. Only ``stream`` is bounded; any other attribute is
+    read from the wrapped provider.
+    """
+
+    __slots__ = ("_budget", "_provider")
+
+    def __init__(self, provider: Any, budget: ModelConcurrencyBudget) -> None:
+        self._provider = provider
+        self._budget = budget
+
+    @property
+    def budget(self) -> ModelConcurrencyBudget:
+        """The budget whose slots this provider's streams hold."""
+        return self._budget
+
+    @property
+    def wrapped(self) -> Any:
+        """The provider this one bounds."""
+        return self._provider
+
+    async def stream(self, request: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """Yield the wrapped provider's stream items while holding one budget slot.
+
+        The slot is taken at the first read, before the wrapped ``stream`` is called: a
+        refusal means no request reached the provider. It is returned when the stream is
+        exhausted, raises, is cancelled, or is closed early (``aclose()``, or dropped and
+        finalised by the event loop). The inner stream is closed in every case. Raises
+        ``RateLimitedError`` ``model.queue_full`` or ``model.queue_timeout``.
+        """
+        async with self._budget.lease():
+            inner = self._provider.stream(request, *args, **kwargs)
+            if not hasattr(inner, "__aiter__") and hasattr(inner, "__await__"):
+                inner = await inner  # a coroutine that returns the stream
+            try:
+                async for item in inner:
+                    yield item
+            finally:
+                # Close it here, inside the slot: its connection is part of the call.
+                aclose = getattr(inner, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for names not defined here: the wrapper stays transparent.
+        # The slot names are refused so a half-built copy cannot recurse forever.
+        if name in BoundedModelProvider.__slots__:
+            raise AttributeError(name)
+        return getattr(self._provider, name)
+
+    def __repr__(self) -> str:
+        return f"BoundedModelProvider({self._provider!r})"

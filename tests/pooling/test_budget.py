@@ -1,16 +1,19 @@
-"""ModelConcurrencyBudget: bounds, FIFO hand-off, timeouts, cancellation."""
+"""ModelConcurrencyBudget: bounds, FIFO hand-off, timeouts, cancellation, wrap()."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import functools
+import gc
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 
-from pooling.budget import ModelConcurrencyBudget
+from pooling.budget import BoundedModelProvider, ModelConcurrencyBudget
 from sageproject.errors import ErrorCategory, SageError
 from tests.pooling.helpers import cancel, until
 
@@ -342,3 +345,167 @@ async def test_it_keeps_counters_consistent_under_random_cancellations() -> None
         assert budget.snapshot()["active"] == 0
         assert budget.snapshot()["waiting"] == 0
     assert peak <= 3
+
+
+# -- wrap ------------------------------------------------------------------------------------
+
+
+class FakeProvider:
+    """A stand-in model provider: streams ``items`` and records how each stream ended."""
+
+    name = "fake"
+
+    def __init__(
+        self, items: list[str], *, fail_after: int | None = None, gate: asyncio.Event | None = None
+    ) -> None:
+        self.items = items
+        self.fail_after = fail_after
+        self.gate = gate
+        self.closed_streams = 0
+        self.requests: list[Any] = []
+
+    async def stream(self, request: Any) -> AsyncIterator[str]:
+        self.requests.append(request)
+        try:
+            for index, item in enumerate(self.items):
+                if self.fail_after is not None and index == self.fail_after:
+                    raise ConnectionError("upstream reset")
+                if self.gate is not None:
+                    await self.gate.wait()
+                yield item
+        finally:
+            self.closed_streams += 1
+
+    def capabilities(self) -> dict[str, bool]:
+        return {"tools": True}
+
+
+async def test_it_holds_one_slot_for_the_whole_stream_and_returns_it_at_the_end() -> None:
+    budget = ModelConcurrencyBudget(1)
+    bounded = budget.wrap(FakeProvider(["a", "b", "c"]))
+    seen: list[tuple[str, int]] = []
+    async for item in bounded.stream({"prompt": "hi"}):
+        seen.append((item, budget.active))
+    assert seen == [("a", 1), ("b", 1), ("c", 1)]
+    assert budget.snapshot()["active"] == 0
+
+
+async def test_it_takes_no_slot_before_the_stream_is_first_read() -> None:
+    budget = ModelConcurrencyBudget(1)
+    provider = FakeProvider(["a"])
+    stream = budget.wrap(provider).stream({})
+    assert budget.active == 0
+    assert provider.requests == []
+    assert await anext(stream) == "a"
+    assert budget.active == 1
+    await stream.aclose()
+
+
+async def test_it_returns_the_slot_when_the_stream_fails() -> None:
+    budget = ModelConcurrencyBudget(1)
+    provider = FakeProvider(["a", "b"], fail_after=1)
+    with pytest.raises(ConnectionError):
+        async for _item in budget.wrap(provider).stream({}):
+            pass
+    assert budget.snapshot()["active"] == 0
+    assert provider.closed_streams == 1
+
+
+async def test_it_returns_the_slot_when_the_consumer_closes_the_stream_early() -> None:
+    budget = ModelConcurrencyBudget(1)
+    provider = FakeProvider(["a", "b", "c"])
+    stream = budget.wrap(provider).stream({})
+    assert await anext(stream) == "a"
+    assert budget.active == 1
+    await stream.aclose()
+    assert budget.snapshot()["active"] == 0
+    assert provider.closed_streams == 1
+
+
+async def test_it_returns_the_slot_when_the_consumer_breaks_out_of_an_aclosing_loop() -> None:
+    budget = ModelConcurrencyBudget(1)
+    provider = FakeProvider(["a", "b", "c"])
+    async with contextlib.aclosing(budget.wrap(provider).stream({})) as stream:
+        async for _item in stream:
+            break
+    assert budget.snapshot()["active"] == 0
+    assert provider.closed_streams == 1
+
+
+async def test_it_returns_the_slot_when_the_consumer_drops_the_stream() -> None:
+    budget = ModelConcurrencyBudget(1)
+    provider = FakeProvider(["a", "b", "c"])
+    stream = budget.wrap(provider).stream({})
+    assert await anext(stream) == "a"
+    del stream
+    gc.collect()  # the loop's async-generator hook closes a dropped stream
+    await until(lambda: budget.active == 0)
+    assert provider.closed_streams == 1
+
+
+async def test_it_returns_the_slot_when_the_streaming_task_is_cancelled() -> None:
+    budget = ModelConcurrencyBudget(1)
+    gate = asyncio.Event()
+    provider = FakeProvider(["a"], gate=gate)
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        stream = budget.wrap(provider).stream({})
+        started.set()
+        async for _item in stream:
+            pass
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    await until(lambda: budget.active == 1)
+    await cancel(task)
+    assert budget.snapshot()["active"] == 0
+    assert provider.closed_streams == 1
+
+
+async def test_it_sends_no_upstream_request_when_the_queue_is_full() -> None:
+    budget = ModelConcurrencyBudget(1, max_waiting=0)
+    provider = FakeProvider(["a"])
+    async with budget.lease():
+        with pytest.raises(SageError) as caught:
+            async for _item in budget.wrap(provider).stream({"n": 1}):
+                pass
+    assert caught.value.code == "model.queue_full"
+    assert provider.requests == []
+    assert budget.snapshot()["active"] == 0
+
+
+async def test_it_holds_one_slot_when_a_provider_is_wrapped_twice() -> None:
+    budget = ModelConcurrencyBudget(1, max_waiting=0)
+    twice = budget.wrap(budget.wrap(FakeProvider(["a", "b"])))
+    seen = [(item, budget.active) async for item in twice.stream({})]
+    assert seen == [("a", 1), ("b", 1)]
+    assert budget.snapshot()["active"] == 0
+
+
+def test_it_wraps_idempotently_for_the_same_budget() -> None:
+    budget = ModelConcurrencyBudget(1)
+    other = ModelConcurrencyBudget(1)
+    bounded = budget.wrap(FakeProvider([]))
+    assert budget.wrap(bounded) is bounded
+    assert other.wrap(bounded) is not bounded
+
+
+async def test_it_forwards_other_attributes_to_the_wrapped_provider() -> None:
+    budget = ModelConcurrencyBudget(1)
+    provider = FakeProvider([])
+    bounded = budget.wrap(provider)
+    assert isinstance(bounded, BoundedModelProvider)
+    assert bounded.name == "fake"
+    assert bounded.capabilities() == {"tools": True}
+    assert bounded.wrapped is provider
+    with pytest.raises(AttributeError):
+        _ = bounded.no_such_attribute
+
+
+def test_it_copies_a_wrapped_provider_without_recursing() -> None:
+    budget = ModelConcurrencyBudget(1)
+    bounded = budget.wrap(FakeProvider(["a"]))
+    duplicate = copy.copy(bounded)
+    assert duplicate.budget is budget
+    assert duplicate.wrapped is bounded.wrapped
