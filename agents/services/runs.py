@@ -1,5 +1,5 @@
-"""Runs from the user's side: submit (admission), cancel, reply, and the permission to
-read what runs produced.
+"""Runs from the user's side: submit (admission), cancel, reply, roll back the turns after
+a point of a session, and the permission to read what runs produced.
 
 The Run's status changes only in ``scheduling.runs`` (the state machine); these functions
 check what the caller may do and call it.
@@ -19,7 +19,7 @@ from sageproject.errors import (
     ValidationError,
 )
 from scheduling import runs
-from scheduling.models import Run, RunStatus, Session
+from scheduling.models import UNFINISHED_STATUSES, Event, Run, RunStatus, Session
 
 
 def run_submit(*, owner, session_id: Any, priority: int = 0, **admission: Any) -> tuple[Run, bool]:
@@ -102,6 +102,37 @@ def run_reply(*, run: Run, decision: str, interaction_id: str | None = None) -> 
     if not runs.resume(run.pk, resolution):
         raise ConflictError("run.not_suspended", "the run changed state; read it again")
     return Run.objects.get(pk=run.pk)
+
+
+def check_rollback(*, session: Session, after_seq: int) -> list[Any]:
+    """The runs whose events follow seq ``after_seq`` in ``session``, in order, when they
+    may be rolled back (``session_rollback``).
+
+    Raises ``checkpoint.not_replaceable`` (409) when an event after it belongs to no run
+    (imported history), and ``session.busy`` (409) when one of those runs is unfinished.
+    """
+    later = Event.objects.filter(session=session, seq__gt=after_seq)
+    if later.filter(run__isnull=True).exists():
+        raise ConflictError(
+            "checkpoint.not_replaceable", "the turns after this checkpoint were imported"
+        )
+    replaced = list(dict.fromkeys(later.order_by("seq").values_list("run_id", flat=True)))
+    if Run.objects.filter(pk__in=replaced, status__in=list(UNFINISHED_STATUSES)).exists():
+        raise ConflictError("session.busy", "the thread has an unfinished run")
+    return replaced
+
+
+def session_rollback(*, session: Session, after_seq: int) -> list[Any]:
+    """Roll back the finished turns after seq ``after_seq``: every later run's events are
+    removed from the session (as multitask rollback does). Returns those runs' ids.
+
+    A session is linear, so the removed turns do not stay as a branch. Raises as
+    ``check_rollback``; the runs themselves keep their (terminal) status.
+    """
+    replaced = check_rollback(session=session, after_seq=after_seq)
+    for run_id in replaced:
+        runs.remove_run_events(session.pk, run_id)
+    return replaced
 
 
 # Membership in this group revokes a user's permission to read run results (archived or
