@@ -1,6 +1,6 @@
 """A session's durable events in LangGraph's shapes (Django-free): LangChain messages, the
 thread's state and its checkpoints, and one run's Server-Sent Events. The views are in
-``agents/protocols/langgraph.py``.
+``agents/protocols/langgraph/``.
 
 **State.** A thread's state is ``{"messages": [...]}``, LangChain messages as LangGraph
 serializes them: ``human`` (a user message), ``ai`` (an assistant message, its

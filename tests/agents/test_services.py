@@ -10,11 +10,11 @@ from django.contrib.auth.models import Group
 from django.db import transaction
 
 from agents import archives, services
-from agents.models import ManagedAgentRecord
+from agents.models import ManagedAgentRecord, ThreadMetadata
 from agents.services import packages
 from sageproject.errors import SageError
 from scheduling import runs
-from scheduling.models import Run, RunStatus
+from scheduling.models import Event, Run, RunStatus, Session
 from scheduling.runs import Fence
 from tests.conftest import demo_manifest
 
@@ -71,6 +71,106 @@ def test_another_users_package_is_not_found(alice, bob, scripted_record):
     error = error_of(services.session_create, owner=bob, package="demo", agent="assistant")
 
     assert error.code == "package.not_found"
+
+
+# --- threads (a LangGraph thread is a session) ---------------------------------------------
+
+
+def test_a_thread_opens_bound_to_nothing_with_its_metadata(alice):
+    thread = services.thread_create(owner=alice, metadata={"project": "gemini"})
+
+    assert (thread.owner, thread.package_ref, thread.agent_id) == (alice, "", "")
+    assert ThreadMetadata.objects.get(session=thread).metadata == {"project": "gemini"}
+
+
+def test_a_thread_id_already_taken_is_thread_exists(alice, bob):
+    taken = services.thread_create(owner=alice)
+
+    error = error_of(services.thread_create, owner=bob, thread_id=taken.pk)
+
+    assert error.code == "thread.exists"
+    assert Session.objects.get(pk=taken.pk).owner == alice
+
+
+def test_a_thread_is_bound_once_to_the_agent_of_its_first_run(alice, scripted_record):
+    demo, _ = packages.package_create(owner=alice, manifest=demo_manifest())
+    other, _ = packages.package_create(owner=alice, manifest=demo_manifest("other"))
+    thread = services.thread_create(owner=alice)
+
+    services.thread_bind(session=thread, package=demo, agent="assistant")
+    error = error_of(services.thread_bind, session=thread, package=other, agent="assistant")
+
+    assert (thread.package_ref, thread.package_name, thread.agent_id) == (
+        demo.ref,
+        "demo",
+        "assistant",
+    )
+    assert error.code == "thread.assistant_conflict"
+    assert "demo/assistant" in error.message and "other/assistant" in error.message
+
+
+def test_a_thread_metadata_update_merges_the_keys(alice):
+    thread = services.thread_create(owner=alice, metadata={"project": "gemini", "stage": 1})
+
+    merged = services.thread_metadata_update(session=thread, metadata={"stage": 2})
+
+    assert merged == {"project": "gemini", "stage": 2}
+    assert ThreadMetadata.objects.get(session=thread).metadata == merged
+
+
+def test_a_thread_delete_cancels_its_queued_run_then_removes_the_session(alice, make_session):
+    session = make_session(alice)
+    run, _ = services.run_submit(owner=alice, session_id=session.pk, input="hi")
+
+    services.thread_delete(session=session)
+
+    assert not Session.objects.filter(pk=session.pk).exists()
+    assert not Run.objects.filter(pk=run.pk).exists()
+
+
+def test_a_thread_whose_run_is_still_running_is_not_deleted(alice, make_session):
+    session = make_session(alice)
+    services.run_submit(owner=alice, session_id=session.pk, input="hi")
+    runs.claim(worker_id="w", duration=timedelta(seconds=60), limit=1)
+
+    error = error_of(services.thread_delete, session=session)
+
+    assert error.code == "session.busy"
+    assert Session.objects.filter(pk=session.pk).exists()
+
+
+def test_a_rollback_removes_the_events_of_the_finished_runs_after_the_point(alice, make_session):
+    session = make_session(alice)
+    run, _ = services.run_submit(owner=alice, session_id=session.pk, input="hi")
+    services.run_cancel(run=run)
+    assert Event.objects.filter(session=session, run=run).exists()
+
+    replaced = services.session_rollback(session=session, after_seq=0)
+
+    assert replaced == [run.pk]
+    assert not Event.objects.filter(session=session).exists()
+    assert Session.objects.get(pk=session.pk).persisted_events == 0
+
+
+def test_a_rollback_refuses_imported_turns(alice, make_session):
+    session = make_session(alice)
+    runs.append_event(session.pk, None, "message.completed", {"role": "user", "content": "x"})
+
+    error = error_of(services.session_rollback, session=session, after_seq=0)
+
+    assert error.code == "checkpoint.not_replaceable"
+    assert Event.objects.filter(session=session).count() == 1
+
+
+def test_a_rollback_refuses_an_unfinished_run(alice, make_session):
+    session = make_session(alice)
+    run, _ = services.run_submit(owner=alice, session_id=session.pk, input="hi")
+    runs.append_event(session.pk, run.pk, "message.completed", {"role": "user", "content": "hi"})
+
+    error = error_of(services.session_rollback, session=session, after_seq=0)
+
+    assert error.code == "session.busy"
+    assert Event.objects.filter(session=session, run=run).exists()
 
 
 # --- runs --------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ class LangGraphView(APIView):
 
 
 def json_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object (``{}`` when empty); a 400 for any other JSON."""
     data = request.data
     if not data:
         return {}
@@ -103,6 +104,7 @@ def json_body(request: Request) -> dict[str, Any]:
 
 
 def int_param(body: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    """``body[name]`` as an integer from ``lo`` to ``hi`` (digits in text too)."""
     value = body.get(name, default)
     if value is None:
         return default
@@ -114,4 +116,5 @@ def int_param(body: Mapping[str, Any], name: str, default: int, lo: int, hi: int
 
 
 def flag(value: Any) -> bool:
+    """A query parameter's truth (``1``, ``true``, ``yes``, ``on``)."""
     return str(value).lower() in ("1", "true", "yes", "on")

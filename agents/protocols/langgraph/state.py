@@ -51,12 +51,14 @@ def own_thread(user, thread_id: Any) -> Session:
 
 
 def bound_graph(session: Session) -> str | None:
+    """The ``graph_id`` the thread runs, or None while it is bound to nothing."""
     if not session.package_ref:
         return None
     return f"{session.package_name}{common.SEPARATOR}{session.agent_id}"
 
 
 def state_events(session_ids: Iterable[Any], upto: int | None = None):
+    """The events the sessions' states are built from, in order (up to seq ``upto``)."""
     query = Event.objects.filter(session_id__in=list(session_ids), type__in=STATE_EVENTS)
     if upto is not None:
         query = query.filter(seq__lte=upto)
@@ -64,6 +66,7 @@ def state_events(session_ids: Iterable[Any], upto: int | None = None):
 
 
 def run_key(run_id: Any) -> str | None:
+    """An event's run as `Thread` keys it (None: imported history)."""
     return str(run_id) if run_id is not None else None
 
 
@@ -80,6 +83,7 @@ def build_thread(session: Session, upto: int | None = None) -> Thread:
 
 
 def persisted(session: Session) -> int:
+    """The session's durable prefix now: the seq its next events follow."""
     return Session.objects.filter(pk=session.pk).values_list("persisted_events", flat=True)[0]
 
 

@@ -34,6 +34,7 @@ def locations(response: HttpResponse, run: Run, tail: str) -> HttpResponse:
 
 
 def stream_location(modes: Iterable[str]) -> str:
+    """Where a stream of ``modes`` reconnects, relative to the run."""
     return "stream?" + urlencode([("stream_mode", mode) for mode in modes])
 
 
@@ -50,6 +51,7 @@ def _cancel_run(run_id: Any) -> None:
 
 
 def finished(run: Run) -> bool:
+    """Whether ``run`` has nothing more to do until someone answers it."""
     return run.status in TERMINAL_STATUSES or run.status == RunStatus.SUSPENDED
 
 
