@@ -5,6 +5,9 @@ model streams run at once, how many callers may queue for a slot, and how long t
 queue. Unlike ``asyncio.Semaphore`` it has a bounded queue, a wait deadline, counters and a
 snapshot, while keeping strict FIFO hand-off and the same order of cost.
 
+``budget.wrap(provider)`` is how a model call uses it: the wrapped provider's ``stream``
+holds one slot from its first read to its end, whichever way it ends.
+
 Design notes (why it is built this way):
 
 * **Hand-off, not wake-and-race.** A released slot is transferred directly to the oldest
