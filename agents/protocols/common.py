@@ -4,10 +4,9 @@
   a name means what ``package_resolve`` says: their own version first, then a shared one)
   offers one assistant per agent and per flow, with the id ``<package>/<agent>``; the
   package name alone is its entrypoint.
-- **Sessions opened with earlier turns.** A client that sends a whole conversation gets a
-  fresh session whose earlier turns are imported as durable ``message.completed`` events
-  of no run (``imported: true``), so the agent's history is exactly what the client sent;
-  the last user message becomes the run's input.
+- **Sessions opened with earlier turns** (`agents.services.session_import`): a client
+  that sends a whole conversation gets a fresh session whose earlier turns are imported
+  as durable events of no run; the last user message becomes the run's input.
 - **Following one run** (`follow_run`): ``scheduling.live.follow`` narrowed to one run's
   durable events and live deltas, ending with its terminal event.
 - **Answers that wait for a run** (`DeferredResponse`): computed on the event loop, never
@@ -17,20 +16,18 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db import transaction
 from django.http import HttpResponse, StreamingHttpResponse
 
 from agents.models import AgentPackage
-from agents.services import session_create
 from agents.services.packages import package_resolve
 from sageproject.errors import NotFoundError, ValidationError
 from scheduling import live, runs
-from scheduling.models import Event, Run, Session, SessionKind
+from scheduling.models import Event, Run, Session
 
 # Separates a package name from an agent or flow id in an assistant id (names never hold it).
 SEPARATOR = "/"
@@ -109,30 +106,6 @@ def assistant_resolve(user, assistant_id: str) -> Assistant:
         if agent in _members(package):
             return Assistant(str(assistant_id), package, agent)
     raise NotFoundError("assistant.not_found", f"no assistant {assistant_id!r}")
-
-
-def session_open(
-    *,
-    owner,
-    assistant: Assistant,
-    history: Iterable[tuple[str, str]] = (),
-    kind: str = SessionKind.BRANCH,
-) -> Session:
-    """A new session on ``assistant`` whose earlier turns are ``history`` — ``(role,
-    text)`` pairs, ``user`` or ``assistant`` — imported as durable events of no run, in one
-    transaction with the session."""
-    with transaction.atomic():
-        session = session_create(
-            owner=owner, package=assistant.package.ref, agent=assistant.agent, kind=kind
-        )
-        for role, text in history:
-            runs.append_event(
-                session.pk,
-                None,
-                "message.completed",
-                {"role": role, "content": text, "imported": True},
-            )
-    return session
 
 
 def run_start(run: Run) -> int:

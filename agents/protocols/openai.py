@@ -243,7 +243,12 @@ def _submit(
             return existing
     fresh = session is None
     if fresh:
-        session = common.session_open(owner=user, assistant=assistant, history=history or ())
+        session = services.session_import(
+            owner=user,
+            package=assistant.package.ref,
+            agent=assistant.agent,
+            history=history or (),
+        )
     try:
         run, created = services.run_submit(
             owner=user,

@@ -22,6 +22,7 @@ from agents.services.runs import (
 )
 from agents.services.sessions import (
     session_create,
+    session_import,
     thread_bind,
     thread_create,
     thread_delete,
@@ -39,6 +40,7 @@ __all__ = [
     "run_reply",
     "run_submit",
     "session_create",
+    "session_import",
     "session_rollback",
     "thread_bind",
     "thread_create",

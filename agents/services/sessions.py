@@ -8,7 +8,7 @@ deleted with its runs; its ``thread_*`` functions are here.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -18,6 +18,7 @@ from agents.models import AgentPackage, ThreadMetadata
 from agents.services.packages import package_resolve
 from agents.services.runs import run_cancel
 from sageproject.errors import ConflictError, ValidationError
+from scheduling import runs
 from scheduling.models import UNFINISHED_STATUSES, Run, RunStatus, Session, SessionKind
 
 # How a thread names the agent it runs: ``<package>/<agent>``.
@@ -46,6 +47,33 @@ def session_create(
         kind=kind,
         title=title,
     )
+
+
+def session_import(
+    *,
+    owner,
+    package: str,
+    agent: str,
+    history: Iterable[tuple[str, str]] = (),
+    kind: str = SessionKind.BRANCH,
+) -> Session:
+    """A new session on ``package``'s ``agent`` whose earlier turns are ``history``.
+
+    ``history`` holds ``(role, text)`` pairs, ``user`` or ``assistant``. They become
+    durable ``message.completed`` events of no run (``imported: true``), in one
+    transaction with the session. A client that sends a whole conversation (the OpenAI
+    layer) gets exactly that history for its agent.
+    """
+    with transaction.atomic():
+        session = session_create(owner=owner, package=package, agent=agent, kind=kind)
+        for role, text in history:
+            runs.append_event(
+                session.pk,
+                None,
+                "message.completed",
+                {"role": role, "content": text, "imported": True},
+            )
+    return session
 
 
 def thread_create(

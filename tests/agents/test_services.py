@@ -56,6 +56,39 @@ def test_a_session_opens_on_an_agent_or_a_flow_of_the_owners_package(alice, scri
     assert flow.agent_id == "pipeline"
 
 
+def test_an_imported_session_holds_the_history_as_events_of_no_run(alice, scripted_record):
+    packages.package_create(owner=alice, manifest=demo_manifest())
+
+    session = services.session_import(
+        owner=alice,
+        package="demo",
+        agent="assistant",
+        history=[("user", "hi"), ("assistant", "hello")],
+    )
+
+    events = list(Event.objects.filter(session=session).order_by("seq"))
+    assert [(e.seq, e.run_id, e.type) for e in events] == [
+        (1, None, "message.completed"),
+        (2, None, "message.completed"),
+    ]
+    assert [e.payload for e in events] == [
+        {"role": "user", "content": "hi", "imported": True},
+        {"role": "assistant", "content": "hello", "imported": True},
+    ]
+    assert session.kind == "branch"
+
+
+def test_an_import_with_an_unknown_agent_leaves_no_session(alice, scripted_record):
+    packages.package_create(owner=alice, manifest=demo_manifest())
+
+    error = error_of(
+        services.session_import, owner=alice, package="demo", agent="x", history=[("user", "a")]
+    )
+
+    assert error.code == "session.agent_not_found"
+    assert not Session.objects.filter(owner=alice).exists()
+
+
 def test_a_session_names_an_agent_the_package_has(alice, scripted_record):
     packages.package_create(owner=alice, manifest=demo_manifest())
 
