@@ -21,7 +21,7 @@ from django.db import DatabaseError, connections
 
 from sageproject.db import database_url as _database_url
 from sageproject.progress import note
-from scheduling.children import Child
+from scheduling.children import Child  # the other modules take `Child` from here
 
 ROOT = Path(settings.BASE_DIR)
 # Pending limits high enough that the benchmark's floods are never refused.

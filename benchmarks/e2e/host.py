@@ -15,9 +15,8 @@ from typing import Any
 from django.core.management.base import CommandError
 from django.db import connections
 
-from benchmarks.e2e.harness import pct_ms, progress, targets, tidy_tables, wait_until
+from benchmarks.e2e.harness import Child, pct_ms, progress, targets, tidy_tables, wait_until
 from benchmarks.e2e.method import Batch, Target
-from scheduling.children import Child
 
 LEASE = timedelta(seconds=30)
 CLAIM_LIMIT = 32

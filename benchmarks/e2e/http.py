@@ -25,6 +25,7 @@ from django.db import connections
 
 from benchmarks.e2e.harness import (
     ROOT,
+    Child,
     check_running,
     child_env,
     database_url,
@@ -39,7 +40,6 @@ from benchmarks.e2e.harness import (
 from benchmarks.e2e.host import HostTarget
 from benchmarks.e2e.machine import cpu_by_process, cpu_spent, database_processes, process_tree
 from benchmarks.e2e.method import settle_collector
-from scheduling.children import Child
 
 SSE_CONCURRENCY = 10
 

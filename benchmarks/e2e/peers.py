@@ -25,6 +25,7 @@ from django.db import connections
 
 from benchmarks.e2e.harness import (
     ROOT,
+    Child,
     child_env,
     database_url,
     libpq_conninfo,
@@ -35,7 +36,6 @@ from benchmarks.e2e.harness import (
     write_back,
 )
 from benchmarks.e2e.method import Batch, Target, measure_latency, measure_throughput, warm_up
-from scheduling.children import Child
 
 PEERS = ("procrastinate", "celery", "django-tasks-db")
 INSTALL_HINT = "pip install -r requirements-bench.txt"

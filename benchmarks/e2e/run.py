@@ -17,6 +17,7 @@ from django.db import connections
 
 from benchmarks.e2e.harness import (
     ROOT,
+    Child,
     child_env,
     database_url,
     host_line,
@@ -36,7 +37,6 @@ from benchmarks.e2e.host import (
 from benchmarks.e2e.http import http_paths, start_web
 from benchmarks.e2e.method import measure_latency, measure_throughput, warm_up
 from benchmarks.shared import delete_users
-from scheduling.children import Child
 
 
 def host_paths(
