@@ -90,6 +90,11 @@ def test_it_keeps_every_contract(tmp_path):
             "from django.conf import settings  # noqa",
             "sageproject.errors is not allowed to import django",
         ),
+        (
+            "agents.engine",
+            "from sageproject.db import db_call  # noqa",
+            "agents.engine is not allowed to import django",
+        ),
     ],
 )
 def test_it_refuses_a_wrong_way_import(tree, tmp_path, module, line, broken):
