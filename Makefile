@@ -29,8 +29,10 @@ torture: bootstrap
 celery: bootstrap
 	@$(VENV)/bin/celery -A sageproject.celery worker --loglevel=INFO --pool=threads --concurrency=4
 
+# ruff, then the layers contract of pyproject.toml (tests/test_layers.py runs it in make test).
 lint: bootstrap
 	@$(VENV)/bin/ruff check .
+	@$(VENV)/bin/lint-imports --no-logo
 
 bench: bootstrap
 	@$(PY) manage.py bench_pooling

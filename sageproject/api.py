@@ -9,7 +9,6 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured, PermissionDenied, RequestDataTooBig
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
-from django.shortcuts import redirect
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import exceptions as drf_exceptions
@@ -18,7 +17,7 @@ from rest_framework import status as http
 from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 
-from sageproject import metrics
+from sageproject import counters
 from sageproject.errors import ErrorCategory, SageError, envelope
 from sageproject.parsers import int_schema, query_int
 
@@ -81,7 +80,7 @@ def _summary(fields: Any) -> str:
 def sage_error_response(error: SageError) -> Response:
     response = Response(error.to_dict(), status=error.http_status)
     if error.category == ErrorCategory.RATE_LIMITED:
-        metrics.rate_limited(error.code)
+        counters.rate_limited(error.code)
         retry_after = error.details.get("retry_after") or 1
         response["Retry-After"] = str(max(1, int(float(retry_after) + 0.999)))
     return response
@@ -183,38 +182,6 @@ def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpR
 
 def server_error(request: HttpRequest) -> HttpResponse:
     return _json_error("server.internal", "internal server error", ErrorCategory.INTERNAL, 500)
-
-
-def home(request: HttpRequest) -> HttpResponse:
-    return redirect("/admin/")
-
-
-def healthz(request: HttpRequest) -> HttpResponse:
-    """Liveness: the process answers. No database, no authentication, no details."""
-    return JsonResponse({"status": "ok"}, headers={"Cache-Control": "no-store"})
-
-
-def readyz(request: HttpRequest) -> HttpResponse:
-    """Readiness (`sageproject.health.readiness`): 200 when the database answers, every
-    migration is applied and a worker's heartbeat is fresh, else 503 naming what failed.
-    No authentication: only check names, statuses and short summaries, never a host,
-    a version or an error's text."""
-    from sageproject import health
-
-    checks = health.readiness()
-    failed = [c.name for c in checks if c.status == health.FAIL]
-    body = {
-        "status": "not_ready" if failed else "ready",
-        "checks": [{"name": c.name, "status": c.status, "detail": c.summary} for c in checks],
-        "failed": failed,
-    }
-    response = JsonResponse(
-        body, status=503 if failed else 200, headers={"Cache-Control": "no-store"}
-    )
-    # Not ready is an answer, not a server error: without this Django logs every polled
-    # 503 as an ERROR (django.request).
-    response._has_been_logged = True
-    return response
 
 
 class FieldsOnceMixin:

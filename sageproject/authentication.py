@@ -7,11 +7,11 @@ same thing — the token's user, refused when the key is unknown or the user ina
 DRF's messages — from one SQL statement written once per process (on PostgreSQL a
 prepared statement: planning its join cost the server twice what running it does).
 
-The express lane's submissions (`sageproject.express`) go further: `authenticate_cached`
+The express lane's submissions (`sagehost.express`) go further: `authenticate_cached`
 answers from a per-process cache of token rows (``CACHE_SECONDS``, at most ``CACHE_SIZE``
-keys) and gives the request a `scheduling.runs.Credential` — the same question in SQL —
-that the admission asks again inside its own transaction (on PostgreSQL inside its one
-statement, so the cache saves a round trip and grants nothing: a token deleted, a user
+keys) and gives the request a `Credential` (`sageproject.credentials`) — the same question
+in SQL — that the admission asks again inside its own transaction (on PostgreSQL inside its
+one statement, so the cache saves a round trip and grants nothing: a token deleted, a user
 deactivated or whose staff or superuser flag changed, admits nothing; the lane then sends
 the request the long way, which looks the token up afresh).
 """
@@ -29,6 +29,7 @@ from django.db.models.expressions import Col
 from rest_framework import authentication, exceptions
 from rest_framework.authtoken.models import Token
 
+from sageproject.credentials import Credential
 from sageproject.db import prepared
 
 
@@ -113,8 +114,6 @@ class TokenAuthentication(authentication.TokenAuthentication):
         from the cache when it holds the key (see the module text); None for a header
         DRF's scheme would refuse or explain (the caller goes the long way, which answers
         it). Raises ``AuthenticationFailed`` as `authenticate_credentials` does."""
-        from scheduling.runs import Credential
-
         parts = authentication.get_authorization_header(request).split()
         if len(parts) != 2 or parts[0].lower() != self.keyword.lower().encode():
             return None

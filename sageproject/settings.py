@@ -49,7 +49,8 @@ CSRF_TRUSTED_ORIGINS = [
 ]
 
 INSTALLED_APPS = [
-    "sageproject.apps.SageAdminConfig",
+    # The admin's site is the host's (sagehost.admin: the capacity page).
+    "sagehost.apps.SageAdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -62,6 +63,10 @@ INSTALLED_APPS = [
     "pooling",
     "scheduling",
     "agents",
+    # The layers above the apps: the host (URLs, web process, admin site, health,
+    # metrics, runhost/runweb/doctor) and the benchmarks (manage.py bench_*).
+    "sagehost.apps.SageHostConfig",
+    "benchmarks",
 ]
 
 MIDDLEWARE = [
@@ -75,7 +80,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
-ROOT_URLCONF = "sageproject.urls"
+ROOT_URLCONF = "sagehost.urls"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
@@ -90,8 +95,8 @@ TEMPLATES = [
         },
     },
 ]
-WSGI_APPLICATION = "sageproject.wsgi.application"
-ASGI_APPLICATION = "sageproject.asgi.application"
+WSGI_APPLICATION = "sagehost.wsgi.application"
+ASGI_APPLICATION = "sagehost.asgi.application"
 
 DATABASES = {"default": SAGE_CONFIG.database}
 if os.environ.get("SAGE_TEST_DB_NAME") and "sqlite" not in DATABASES["default"]["ENGINE"]:

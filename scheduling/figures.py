@@ -5,7 +5,7 @@ wait from admission to claim), the dispatcher (what each execution ended with, f
 rejections) and the executor (time to a model's first streamed item, tokens) — and
 published in the worker's snapshot (``WorkerSnapshot.capacity["metrics"]``, every few
 seconds and when it stops). The web process turns every recent snapshot into Prometheus
-families with a ``worker`` label (`sageproject.metrics`): figures that live in a worker's
+families with a ``worker`` label (`sagehost.metrics`): figures that live in a worker's
 memory stay correct with any number of workers and hosts, and the database holds the rest.
 
 Values only ever grow while the process lives (a new process starts from zero, as
@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-# Counters (names as published; `sageproject.metrics` gives each its Prometheus family).
+# Counters (names as published; `sagehost.metrics` gives each its Prometheus family).
 LEASE_RECLAIMS = "lease_reclaims"  # dead leases this worker's reaping ended (crashes)
 FENCE_REJECTIONS = "fence_rejections"  # {write}: a write of an execution refused by its fence
 SUSPENSIONS = "suspensions"  # {code}: runs this worker suspended (committed)

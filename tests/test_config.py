@@ -107,7 +107,7 @@ def test_it_stops_start_up_with_one_clear_line(command):
 def test_it_stops_the_web_server_with_one_clear_line():
     env = {**os.environ, "SAGE_MAX_CONCURRENT_MODEL_CALLS": "abc"}
     result = subprocess.run(
-        [sys.executable, "-c", "import sageproject.asgi"],
+        [sys.executable, "-c", "import sagehost.asgi"],
         env=env,
         cwd=ROOT,
         capture_output=True,

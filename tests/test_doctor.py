@@ -15,7 +15,7 @@ from django.core.management import call_command
 from django.db import connection
 from django.utils import timezone
 
-from sageproject import health
+from sagehost import health
 from scheduling.models import Run, RunStatus
 from tests.api.test_health import snapshot
 from tests.pgcluster import free_port

@@ -137,7 +137,7 @@ def submit_run(
 
 
 def submit(request: HttpRequest, user: Any, credential: Credential) -> Response:
-    """``POST /api/v1/runs/`` on the web process's express lane (`sageproject.express`):
+    """``POST /api/v1/runs/`` on the web process's express lane (`sagehost.express`):
     the body parsed as the API's JSON parser parses it (an empty one is no fields, as DRF
     reads it), then `submit_run` as the view does, the admission checking ``credential``."""
     body = parse_json(request.body) if request.body else {}

@@ -1,6 +1,6 @@
-"""The web process's ASGI handler (`sageproject.handler`): a request's middleware and view
+"""The web process's ASGI handler (`sagehost.handler`): a request's middleware and view
 run on a pool thread, several requests of one process at once, the session event stream is
-still sent from the event loop, and the express lane (`sageproject.express`) answers a run
+still sent from the event loop, and the express lane (`sagehost.express`) answers a run
 submission exactly as the full stack does."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from asgiref.sync import sync_to_async
 from asgiref.testing import ApplicationCommunicator
 from rest_framework.authtoken.models import Token
 
-from sageproject.handler import ThreadedASGIHandler
+from sagehost.handler import ThreadedASGIHandler
 from scheduling.models import Run
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
@@ -358,7 +358,7 @@ async def test_an_error_whose_credential_cannot_be_checked_goes_the_long_way(
     answer, and the long way gives DRF's answer."""
     from django.db import OperationalError
 
-    from sageproject import express
+    from sagehost import express
 
     def down(*args, **kwargs):
         raise OperationalError("the database went away")
@@ -426,7 +426,7 @@ async def test_the_lanes_cached_token_grants_nothing_the_database_no_longer_does
 
 
 def test_the_express_lane_is_off_with_a_middleware_it_does_not_know(settings):
-    from sageproject.express import Express
+    from sagehost.express import Express
 
     assert Express.configured() is not None
     settings.MIDDLEWARE = [*settings.MIDDLEWARE, "example.middleware.Unknown"]

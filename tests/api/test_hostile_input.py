@@ -249,7 +249,7 @@ def test_the_schema_documents_errors_unknown_fields_blanks_and_pages(alice_api):
 
 @pytest.fixture
 def web_server(tmp_path) -> Iterator[str]:
-    """``uvicorn sageproject.asgi:application`` (the production handler) on this test's
+    """``uvicorn sagehost.asgi:application`` (the production handler) on this test's
     database, with the default 1 MB request limit; yields its base URL."""
     env = worker_env({"SAGE_MAX_REQUEST_BYTES": None})
     with live_web_server(tmp_path / "web.log", env) as base:

@@ -18,7 +18,7 @@ from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from sageproject import config, metrics
+from sageproject import config, counters
 from scheduling import figures
 from scheduling.models import Run, RunStatus, WorkerSnapshot
 from scheduling.runs import db_now
@@ -269,8 +269,8 @@ def test_worker_families_come_from_recent_snapshots(metrics_dir):
 def _count_in_subprocess(directory: Path, code: str, times: int) -> None:
     script = (
         "import django; django.setup()\n"
-        "from sageproject import metrics\n"
-        f"for _ in range({times}): metrics.rate_limited({code!r})\n"
+        "from sageproject import counters\n"
+        f"for _ in range({times}): counters.rate_limited({code!r})\n"
     )
     env = {
         **os.environ,
@@ -282,7 +282,7 @@ def _count_in_subprocess(directory: Path, code: str, times: int) -> None:
 
 @pytest.mark.django_db
 def test_counters_of_several_processes_add_up_and_outlive_them(metrics_dir):
-    metrics.rate_limited("scheduler.queue_full")  # this process, still alive
+    counters.rate_limited("scheduler.queue_full")  # this process, still alive
     _count_in_subprocess(metrics_dir, "scheduler.queue_full", 3)
     _count_in_subprocess(metrics_dir, "model.queue_full", 2)
     files = sorted(p.name for p in metrics_dir.glob("*.db"))
@@ -295,7 +295,7 @@ def test_counters_of_several_processes_add_up_and_outlive_them(metrics_dir):
         "counter_archive.db",
         f"counter_{os.getpid()}.db",
     }
-    metrics.rate_limited("scheduler.queue_full")
+    counters.rate_limited("scheduler.queue_full")
     again = scrape()
     assert again.value("sage_api_rate_limited_total", code="scheduler.queue_full") == 5
     assert again.value("sage_api_rate_limited_total", code="model.queue_full") == 2

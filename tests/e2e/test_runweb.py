@@ -17,11 +17,11 @@ from pathlib import Path
 
 from django.conf import settings
 
-from sageproject import webserver
+from sagehost import webserver
 from tests.pgcluster import free_port
 
 
-def _children(parent: int, marker: bytes | None = b"sageproject.webserver") -> set[int]:
+def _children(parent: int, marker: bytes | None = b"sagehost.webserver") -> set[int]:
     """The processes ``parent`` started (those whose command line holds ``marker``)."""
     found = set()
     for entry in Path("/proc").iterdir():

@@ -11,7 +11,7 @@ from django.core.management import CommandError, call_command
 
 from pooling.models import ModelRecord
 from scheduling.models import WorkerSnapshot
-from tests.scheduling.test_benchmarks import assert_nothing_left, run_command
+from tests.benchmarks.test_benchmarks import assert_nothing_left, run_command
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 

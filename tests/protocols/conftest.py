@@ -19,7 +19,7 @@ PENDING_PER_USER = 3
 
 @pytest.fixture(scope="module")
 def live_host(tmp_path_factory, django_db_setup) -> Iterator[str]:
-    """``uvicorn sageproject.asgi:application`` on the test database (one per module),
+    """``uvicorn sagehost.asgi:application`` on the test database (one per module),
     with `PENDING_PER_USER`; yields its base URL."""
     env = worker_env({"SAGE_SERVER_MAX_PENDING_RUNS_PER_USER": str(PENDING_PER_USER)})
     with live_web_server(tmp_path_factory.mktemp("live-host") / "web.log", env) as base:

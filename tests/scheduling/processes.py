@@ -260,14 +260,14 @@ def worker_processes_fixture(tmp_path: Path) -> Iterator[WorkerProcesses]:
 
 @contextlib.contextmanager
 def live_web_server(log_path: Path, env: Mapping[str, str], *, workers: int = 1) -> Iterator[str]:
-    """``uvicorn sageproject.asgi:application`` (the production handler) with ``env`` and
+    """``uvicorn sagehost.asgi:application`` (the production handler) with ``env`` and
     ``workers`` processes on a free loopback port, up when this yields its base URL;
     stopped (SIGTERM, then SIGKILL after 20 s) on exit."""
     from tests.pgcluster import free_port
 
     port = free_port()
     log = log_path.open("wb")
-    argv = [sys.executable, "-m", "uvicorn", "sageproject.asgi:application"]
+    argv = [sys.executable, "-m", "uvicorn", "sagehost.asgi:application"]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
     argv += ["--lifespan", "off", "--no-access-log", "--log-level", "warning"]
     server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

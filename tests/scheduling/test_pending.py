@@ -190,7 +190,7 @@ def test_concurrent_admissions_of_many_users_admit_exactly_the_limits(
 
 @pytest.fixture
 def web_server(tmp_path):
-    """``uvicorn sageproject.asgi:application --workers 3`` on this test's database, with a
+    """``uvicorn sagehost.asgi:application --workers 3`` on this test's database, with a
     host limit of 12 and a per-user limit of 5; yields its base URL."""
     env = worker_env(
         {"SAGE_SERVER_MAX_PENDING_RUNS": "12", "SAGE_SERVER_MAX_PENDING_RUNS_PER_USER": "5"}
