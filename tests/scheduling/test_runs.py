@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from agents import services
 from agents.models import ManagedAgentRecord
-from sageproject.db import one_transaction, pipelined
+from sageproject.db import pipelined
 from sageproject.errors import ConflictError, RateLimitedError
 from scheduling import runs
 from scheduling.models import Event, Run, RunStatus, Session
@@ -200,68 +200,6 @@ def test_a_transaction_left_open_after_a_pipeline_is_ended_once_rearmed():
         time.sleep(0.8)
         with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
             raw.execute("SELECT 1")
-
-
-def test_a_pipeline_holds_its_statements_until_a_result_is_needed():
-    """`pipelined` sends a transaction's statements in one write: while the block issues
-    them they wait in the pipeline (psycopg's own pipeline sends each at once); reading a
-    result inside the block sends them, the block's end sends the rest, and a failed
-    statement still fails the block and leaves the connection usable."""
-    import psycopg
-
-    with _own_connection() as raw:
-        with pipelined(raw):
-            raw.execute("BEGIN")
-            first = raw.execute("SELECT 1")
-            assert len(raw._pipeline.command_queue) == 2  # nothing sent yet
-            assert first.fetchone() == (1,)  # reading sends them
-            assert not raw._pipeline.command_queue
-            last = raw.execute("SELECT 2")
-            raw.execute("COMMIT")
-            assert len(raw._pipeline.command_queue) == 2
-        assert last.fetchone() == (2,)
-        assert raw.pgconn.transaction_status == 0  # committed: idle
-
-        with pytest.raises(psycopg.errors.DivisionByZero):
-            with pipelined(raw):
-                raw.execute("BEGIN")
-                raw.execute("SELECT 1 / 0")
-                raw.execute("COMMIT")
-        raw.execute("ROLLBACK")
-        assert raw.execute("SELECT 3").fetchone() == (3,)
-
-
-def test_a_transaction_committed_at_once_sends_no_begin_and_is_still_one():
-    """What the admission, the claim and the group commit rely on (`one_transaction`): with
-    its commit at the block's end no ``BEGIN`` is queued, yet the statements up to the
-    pipeline's sync are one transaction, committed by the sync, or rolled back by it after
-    a failed statement, leaving the connection idle with nothing written. With the commit
-    left to the caller, the block begins one."""
-    import psycopg
-
-    with _own_connection() as raw:
-        raw.execute("CREATE TEMPORARY TABLE t (x int)")
-        with pytest.raises(psycopg.errors.DivisionByZero):
-            with one_transaction(raw) as explicit:
-                raw.execute("INSERT INTO t VALUES (1)")
-                assert not explicit and len(raw._pipeline.command_queue) == 1  # no BEGIN
-                raw.execute("SELECT 1 / 0")
-        assert raw.pgconn.transaction_status == 0  # idle: nothing to roll back
-        assert raw.execute("SELECT count(*) FROM t").fetchone() == (0,)
-
-        with one_transaction(raw):
-            raw.execute("INSERT INTO t VALUES (2)")
-            first = raw.execute("SELECT pg_current_xact_id()::text")
-            second = raw.execute("SELECT pg_current_xact_id()::text")
-        assert first.fetchone() == second.fetchone()  # one transaction
-        assert raw.pgconn.transaction_status == 0
-        assert raw.execute("SELECT count(*) FROM t").fetchone() == (1,)
-
-        with one_transaction(raw, at_once=False) as explicit:
-            raw.execute("INSERT INTO t VALUES (3)")
-        assert explicit and raw.pgconn.transaction_status == 2  # open: the caller commits
-        raw.execute("COMMIT")
-        assert raw.execute("SELECT count(*) FROM t").fetchone() == (2,)
 
 
 # Admissions by path: pipelined on PostgreSQL (no key), in a transaction of its own (a key,
