@@ -19,6 +19,7 @@ from django.conf import settings
 
 from sageproject import webserver
 from tests.pgcluster import free_port
+from tests.waiting import wait_until
 
 
 def _children(parent: int, marker: bytes | None = b"sageproject.webserver") -> set[int]:
@@ -38,13 +39,7 @@ def _children(parent: int, marker: bytes | None = b"sageproject.webserver") -> s
 
 
 def _wait(condition, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(condition, timeout=seconds, interval=0.1, message=what)
 
 
 def _port_sockets(pid: int, port: int, state: str) -> set[int]:

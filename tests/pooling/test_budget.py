@@ -12,7 +12,8 @@ import pytest
 
 from pooling.budget import ModelConcurrencyBudget
 from sageproject.errors import ErrorCategory, SageError
-from tests.pooling.helpers import cancel, until
+from tests.pooling.helpers import cancel
+from tests.waiting import turns_until
 
 SNAPSHOT_KEYS = [
     "limit",
@@ -57,7 +58,7 @@ async def enqueue(budget: ModelConcurrencyBudget, coro: Any) -> asyncio.Task[Any
     """Start ``coro`` and wait until it has joined the budget's queue."""
     before = budget.waiting
     task = asyncio.create_task(coro)
-    await until(lambda: budget.waiting == before + 1)
+    await turns_until(lambda: budget.waiting == before + 1)
     return task
 
 

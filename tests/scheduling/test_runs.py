@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import select
 import threading
-import time
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import connections, transaction
+from django.db import connection, connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -22,6 +22,7 @@ from scheduling.models import Event, Run, RunStatus, Session
 from scheduling.runs import Fence, Finish, Outcome, Start
 from scheduling.scheduler import FenceRejected
 from scheduling.store import append_events, close_default_coordinator
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -197,7 +198,9 @@ def test_a_transaction_left_open_after_a_pipeline_is_ended_once_rearmed():
             raw.execute("SET LOCAL idle_in_transaction_session_timeout = 300")
             raw.execute("SELECT 1")
         runs.rearm_idle_timeout(raw)
-        time.sleep(0.8)
+        # The server ends the session: its goodbye makes the socket readable.
+        readable, _, _ = select.select([raw.pgconn.socket], [], [], 30)
+        assert readable, "the idle-in-transaction timeout never ended the session"
         with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
             raw.execute("SELECT 1")
 
@@ -260,6 +263,29 @@ def test_a_suspended_run_keeps_its_sessions_turn(alice, make_session):
     assert Run.objects.get(pk=second.pk).ready is False
 
 
+def _a_transaction_waits_for_a_lock() -> bool:
+    """Whether a transaction on this test database waits for a lock, seen from this
+    thread's connection. SQLite has nothing to see and nothing to wait for: its writers
+    queue at ``BEGIN``, so an admission there reads after the finish either way."""
+    vendor = connection.vendor
+    with connection.cursor() as cursor:
+        if vendor == "postgresql":
+            cursor.execute("SELECT pg_stat_clear_snapshot()")  # fresh within a transaction
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+        elif vendor == "mysql":
+            cursor.execute(
+                "SELECT count(*) FROM information_schema.innodb_trx t"
+                " JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id"
+                " WHERE t.trx_state = 'LOCK WAIT' AND p.db = DATABASE()"
+            )
+        else:
+            return True
+        return cursor.fetchone()[0] > 0
+
+
 @pytest.mark.parametrize("key", [None, "k1"], ids=["one-statement", "keyed"])
 def test_a_run_admitted_while_the_sessions_run_finishes_gets_its_turn(alice, make_session, key):
     """The admission waits for the session row the finishing commit holds; whether the
@@ -279,7 +305,11 @@ def test_a_run_admitted_while_the_sessions_run_finishes_gets_its_turn(alice, mak
                 Session.objects.filter(pk=session.pk).update(persisted_events=F("persisted_events"))
                 locked.set()
                 Finish(fence, RunStatus.COMPLETED, result={"text": "done"})("default")
-                time.sleep(0.5)  # the admission is now waiting for the session row
+                wait_until(
+                    _a_transaction_waits_for_a_lock,
+                    timeout=10,
+                    message="the admission waiting for the session row",
+                )
         finally:
             connections.close_all()
 
