@@ -133,6 +133,7 @@ async def test_it_returns_stderr_and_the_error_of_a_failing_snippet(
     assert "ValueError: boom" in output
 
 
+@pytest.mark.timing
 async def test_it_kills_a_snippet_past_its_timeout_and_recovers(
     runtime: CodeToolsRuntime,
 ) -> None:
@@ -249,6 +250,7 @@ async def test_it_never_evicts_a_session_while_its_snippet_runs(
     assert await call == "'done'"
 
 
+@pytest.mark.timing
 async def test_it_tells_the_agent_when_its_kernel_was_killed_by_a_limit(
     runtime: CodeToolsRuntime,
 ) -> None:

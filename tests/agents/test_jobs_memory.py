@@ -335,6 +335,7 @@ async def test_it_gives_a_script_no_inherited_secrets(monkeypatch):
     assert b"PATH" in body
 
 
+@pytest.mark.timing
 async def test_it_fails_a_script_past_its_wall_clock_limit():
     runtime = scripted()
     handle = await runtime.submit(script("import time\ntime.sleep(30)", timeout_seconds=0.5))

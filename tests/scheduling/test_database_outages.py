@@ -160,6 +160,7 @@ def _assert_run_histories(run_ids: list[Any]) -> None:
         assert session.persisted_events == len(seqs)
 
 
+@pytest.mark.timing
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
 def test_a_worker_frozen_inside_its_claim_does_not_stall_the_others(

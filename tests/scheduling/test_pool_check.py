@@ -78,6 +78,7 @@ def test_a_connection_the_server_ended_is_refused_at_once(raw_connection):
         pgpool.check(raw_connection)
 
 
+@pytest.mark.timing
 def test_the_orm_never_gets_a_connection_the_server_ended(raw_connection):
     if connection.pool is None:
         pytest.skip("the database is configured without the pool")

@@ -185,6 +185,7 @@ def _own_connection() -> Any:
     return psycopg.connect(**params, autocommit=True)
 
 
+@pytest.mark.timing
 def test_a_transaction_left_open_after_a_pipeline_is_ended_once_rearmed():
     """What a crash point armed before a pipelined ``COMMIT`` relies on: after a pipeline
     PostgreSQL does not reliably arm its idle-in-transaction timeout (a worker frozen there
