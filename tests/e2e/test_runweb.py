@@ -206,11 +206,13 @@ def test_sigterm_stops_the_web_process_and_the_worker_too(tmp_path) -> None:
     children: set[int] = set()
     try:
         # Up once it says so (its banner comes after the web process answers).
-        deadline = time.monotonic() + 120
-        while not any("Press Ctrl-C to stop." in line for line in lines):
-            assert host.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "runhost did not start"
-            time.sleep(0.2)
+        wait_until(
+            lambda: any("Press Ctrl-C to stop." in line for line in lines),
+            timeout=120,
+            interval=0.2,
+            message="runhost to start",
+            abort=lambda: None if host.poll() is None else "runhost exited:\n" + "".join(lines),
+        )
         children = _children(host.pid, None)
         assert len(children) == 2, children
         assert _healthy(port)
