@@ -32,6 +32,16 @@ class Limit:
     allow_none: bool = False
     meaning: str = ""
 
+    @property
+    def rule(self) -> str:
+        """The values allowed, as error messages and docs/SETTINGS.md say them."""
+        rule = f"an integer ≥ {self.minimum}"
+        if self.maximum is not None:
+            rule = f"an integer from {self.minimum} to {self.maximum}"
+        if self.allow_none:
+            rule += " or 'none'"
+        return rule
+
 
 LIMITS: tuple[Limit, ...] = (
     Limit(
@@ -60,14 +70,15 @@ LIMITS: tuple[Limit, ...] = (
         check_id="sageproject.E004",
         default=1024,
         minimum=1,
-        meaning="queued runs, all users",
+        meaning="queued runs, all users; beyond: 429 `scheduler.queue_full`",
     ),
     Limit(
         name="SAGE_SERVER_MAX_PENDING_RUNS_PER_USER",
         check_id="sageproject.E005",
         default=256,
         minimum=1,
-        meaning="queued runs of one user, so one user cannot fill the host's queue",
+        meaning="queued runs of one user (429 `scheduler.queue_full` with "
+        "`details.max_pending_per_user`): one user cannot lock everyone else out of admission",
     ),
     Limit(
         name="SAGE_SERVER_MAX_MANAGED_APPLICATIONS",
@@ -81,14 +92,14 @@ LIMITS: tuple[Limit, ...] = (
         check_id="sageproject.E007",
         default=8,
         minimum=1,
-        meaning="model calls running at once",
+        meaning="model calls running at once (the budget's limit)",
     ),
     Limit(
         name="SAGE_MAX_WAITING_MODEL_CALLS",
         check_id="sageproject.E008",
         default=128,
         minimum=0,
-        meaning="model calls waiting for a slot",
+        meaning="model calls waiting for a slot (the budget's max_waiting)",
     ),
     Limit(
         name="SAGE_MODEL_QUEUE_TIMEOUT_SECONDS",
@@ -103,7 +114,8 @@ LIMITS: tuple[Limit, ...] = (
         default=300,
         minimum=0,
         allow_none=True,
-        meaning="idle seconds before an Application may be released automatically",
+        meaning="idle seconds before a resident Application is released automatically; "
+        "`none` disables, 0 releases at once",
     ),
     Limit(
         name="SAGE_LEASE_SECONDS",
@@ -117,21 +129,22 @@ LIMITS: tuple[Limit, ...] = (
         check_id="sageproject.E012",
         default=10,
         minimum=1,
-        meaning="run lease renewal period",
+        meaning="run lease renewal period (at most half the lease)",
     ),
     Limit(
         name="SAGE_MAX_RUN_ATTEMPTS",
         check_id="sageproject.E013",
         default=3,
         minimum=1,
-        meaning="executions of one run before it is failed",
+        meaning="crashes (executions whose worker died) of one run before "
+        "`execution.worker_restarted`; suspensions and graceful restarts do not count",
     ),
     Limit(
         name="SAGE_SHUTDOWN_GRACE_SECONDS",
         check_id="sageproject.E014",
         default=10,
         minimum=0,
-        meaning="seconds running runs get to finish on shutdown",
+        meaning="seconds running runs get on SIGTERM before they are requeued",
     ),
     Limit(
         name="SAGE_STORE_WRITERS",
@@ -139,7 +152,7 @@ LIMITS: tuple[Limit, ...] = (
         default=1,
         minimum=1,
         maximum=64,
-        meaning="database writer connections for event commits",
+        meaning="writer connections of the session store (event group commits)",
     ),
     Limit(
         name="SAGE_MAX_REQUEST_BYTES",
@@ -153,14 +166,17 @@ LIMITS: tuple[Limit, ...] = (
         check_id="sageproject.E017",
         default=None,
         minimum=1,
-        meaning="runs one worker process executes at once (unset: SAGE_SERVER_MAX_CONCURRENT_RUNS)",
+        meaning="runs one worker process executes at once (its slots; `runworker "
+        "--max-concurrent` overrides it); unset: `SAGE_SERVER_MAX_CONCURRENT_RUNS`, the "
+        "global limit shared among the live workers",
     ),
     Limit(
         name="SAGE_JOB_LOST_SECONDS",
         check_id="sageproject.E018",
         default=30,
         minimum=3,
-        meaning="seconds a Celery job may go without its worker's heartbeat before it is failed",
+        meaning="on Celery job workers: a running job reports its worker alive every third "
+        "of this; one silent that long is failed with `job.worker_lost`",
     ),
     Limit(
         name="SAGE_LANGGRAPH_STREAM_SECONDS",
@@ -168,7 +184,8 @@ LIMITS: tuple[Limit, ...] = (
         default=300,
         minimum=1,
         maximum=3600,
-        meaning="seconds a LangGraph API stream stays open before the client reconnects",
+        meaning="seconds a `/lg/` run stream stays open; the SDK then reconnects with "
+        "`Last-Event-ID` and loses nothing",
     ),
 )
 
@@ -180,16 +197,53 @@ class Boolean:
     name: str
     check_id: str
     default: bool = False
+    meaning: str = ""
 
 
 BOOLEANS: tuple[Boolean, ...] = (
-    Boolean(name="SAGE_REQUIRE_READINESS", check_id="sageproject.E020"),
-    # Enables the code tools and the python_script job kind.
-    Boolean(name="SAGE_CODE_TOOLS", check_id="sageproject.E021"),
-    Boolean(name="DEBUG", check_id="sageproject.E022"),
-    # Records message content on OpenTelemetry spans (agents/tracing.py).
-    Boolean(name="SAGE_OTEL_CAPTURE_CONTENT", check_id="sageproject.E023"),
+    Boolean(
+        name="SAGE_REQUIRE_READINESS",
+        check_id="sageproject.E020",
+        meaning="strict readiness for saves and new runs",
+    ),
+    Boolean(
+        name="SAGE_CODE_TOOLS",
+        check_id="sageproject.E021",
+        meaning="enables the code tools (`python`, `python_session`) and the `python_script` "
+        "job kind (a Celery job worker reads its own)",
+    ),
+    Boolean(name="DEBUG", check_id="sageproject.E022", meaning="Django's debug mode"),
+    Boolean(
+        name="SAGE_OTEL_CAPTURE_CONTENT",
+        check_id="sageproject.E023",
+        meaning="records message content (instructions, messages, tool arguments and "
+        "results) on the OpenTelemetry spans (`agents/tracing.py`)",
+    ),
+    Boolean(
+        name="SAGE_PG_HELD_PIPELINE",
+        check_id="sageproject.E024",
+        default=True,
+        meaning="PostgreSQL: a pipelined transaction's statements are held and sent in one "
+        "write (`sageproject.db.pipelined`, which overrides psycopg 3.3.9's private pipeline "
+        "methods); off: psycopg's own pipeline, the same statements and results in more "
+        "writes",
+    ),
 )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Described:
+    """A setting with a rule of its own (below), or read outside this module (``read_by``):
+    what docs/SETTINGS.md says of it. ``check_ids`` are its rules' ids; ``default`` is as
+    the table shows it."""
+
+    name: str
+    default: str
+    rule: str
+    meaning: str
+    check_ids: tuple[str, ...] = ()
+    read_by: str = ""
+
 
 # The rules that are not one integer's or one boolean's own, each with its id for good.
 CHECK_HEARTBEAT_WITHIN_LEASE = "sageproject.E030"
@@ -204,6 +258,164 @@ CHECK_LOG_FORMAT = "sageproject.E060"
 CHECK_METRICS_TOKEN = "sageproject.E070"
 CHECK_METRICS_DIR = "sageproject.E071"
 CHECK_LANGGRAPH_CORS_ORIGINS = "sageproject.E091"
+# The rules between two integers, shown on the first one's row of docs/SETTINGS.md.
+CROSS_RULES: dict[str, tuple[str, str]] = {
+    "SAGE_HEARTBEAT_SECONDS": (CHECK_HEARTBEAT_WITHIN_LEASE, "at most half of SAGE_LEASE_SECONDS"),
+    "SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER": (
+        CHECK_PER_USER_RUNS_WITHIN_ALL,
+        "at most SAGE_SERVER_MAX_CONCURRENT_RUNS",
+    ),
+}
+
+# Every other setting, for docs/SETTINGS.md (`settings_table`): those this module reads
+# by rules of their own, then those read elsewhere (Django's settings, the fault points).
+DESCRIBED: tuple[Described, ...] = (
+    Described(
+        name="DATABASE_URL",
+        default="`sqlite:///db.sqlite3`",
+        rule="starts with `sqlite://`, `postgres://` or `mysql://`",
+        check_ids=(CHECK_DATABASE_URL,),
+        meaning="the database; on PostgreSQL `?pool=0` disables Django's psycopg pool, "
+        "`?pool_max=N` sizes it, `?prepared=0` turns prepared statements off (a pooler "
+        "that cannot keep them); other query parameters are libpq's",
+    ),
+    Described(
+        name="REDIS_URL",
+        default="unset",
+        rule="starts with `redis://`, `rediss://` or `unix://`",
+        check_ids=(CHECK_REDIS_URL,),
+        meaning="enables wake-ups and live fan-out over Redis (other databases than "
+        "PostgreSQL), and is the Celery broker",
+    ),
+    Described(
+        name="SAGE_JOB_RUNTIME",
+        default="auto",
+        rule="`memory` or `celery`; `celery` needs `REDIS_URL`",
+        check_ids=(CHECK_JOB_RUNTIME, CHECK_JOB_RUNTIME_BROKER),
+        meaning="the background job runtime (default: Celery when `REDIS_URL` is set)",
+    ),
+    Described(
+        name="SAGE_JOB_RUNNER_MODULES",
+        default="unset",
+        rule="Python module names, comma-separated",
+        check_ids=(CHECK_JOB_RUNNER_MODULES,),
+        meaning="modules a Celery job worker imports at start; they register their runners "
+        "(`agents.jobs.tasks.register_runner`)",
+    ),
+    Described(
+        name="SAGE_JOBS_REDIS_URL",
+        default="unset",
+        rule="starts with `redis://`, `rediss://` or `unix://`",
+        check_ids=(CHECK_JOBS_REDIS_URL,),
+        meaning="Redis of job state and output when it is not the broker's (`REDIS_URL`); "
+        "set alike on job workers and the worker that submits",
+    ),
+    Described(
+        name="SAGE_LOG_FORMAT",
+        default="plain",
+        rule="`plain` or `json`",
+        check_ids=(CHECK_LOG_FORMAT,),
+        meaning="`json`: one JSON object per log line with `run_id`/`session_id`/`worker_id` "
+        "where known (`sageproject.logs`)",
+    ),
+    Described(
+        name="SAGE_METRICS_TOKEN",
+        default="unset",
+        rule="at least 16 printable characters without spaces (never echoed)",
+        check_ids=(CHECK_METRICS_TOKEN,),
+        meaning="bearer token of `GET /metrics`; unset: staff API tokens only",
+    ),
+    Described(
+        name="SAGE_METRICS_DIR",
+        default="`.local/metrics`",
+        rule="an absolute path",
+        check_ids=(CHECK_METRICS_DIR,),
+        meaning="directory of the web processes' counter files (one per host)",
+    ),
+    Described(
+        name="SAGE_LANGGRAPH_CORS_ORIGINS",
+        default="unset",
+        rule="origins (`https://ui.example.com`: scheme, host and port only), "
+        "comma-separated, or `*`",
+        check_ids=(CHECK_LANGGRAPH_CORS_ORIGINS,),
+        meaning="origins whose browser pages may call `/lg/` (agent-chat-ui on another "
+        "origin); preflights answered, `Content-Location`/`Location` exposed",
+    ),
+    Described(
+        name="SAGE_LOCAL_DIR",
+        default="`.local`",
+        rule="a directory",
+        meaning="the host's own files: the generated secret key, the wake-up and live "
+        "sockets of the embedded default (the web and worker processes of a host must "
+        "share it), the metrics files; a relative path is taken from the project directory",
+    ),
+    Described(
+        name="SAGE_TOOL_MODULES",
+        default="unset",
+        rule="module names, comma-separated",
+        read_by="sageproject/settings.py",
+        meaning="modules exposing `TOOLS: list[Tool]`",
+    ),
+    Described(
+        name="SAGE_SKILL_DIRS",
+        default="unset",
+        rule="directories, path-separator separated",
+        read_by="sageproject/settings.py",
+        meaning="skill directories",
+    ),
+    Described(
+        name="SECRET_KEY",
+        default="generated",
+        rule="any string",
+        read_by="sageproject/settings.py",
+        meaning="Django's; unset, one is generated once into `.local/secret_key`; model "
+        "credentials are encrypted with a key derived from it",
+    ),
+    Described(
+        name="ALLOWED_HOSTS",
+        default="`127.0.0.1,localhost,[::1]`",
+        rule="host names, comma-separated",
+        read_by="sageproject/settings.py",
+        meaning="Django's",
+    ),
+    Described(
+        name="CSRF_TRUSTED_ORIGINS",
+        default="unset",
+        rule="origins, comma-separated",
+        read_by="sageproject/settings.py",
+        meaning="Django's",
+    ),
+    Described(
+        name="LOG_LEVEL",
+        default="INFO",
+        rule="a logging level",
+        read_by="sageproject/settings.py",
+        meaning="the root logger's level",
+    ),
+    Described(
+        name="HOST / PORT",
+        default="127.0.0.1 / 8000",
+        rule="an address / a port",
+        read_by="`manage.py runweb`, `runhost`",
+        meaning="where the web server listens (`--host`, `--port` override them)",
+    ),
+    Described(
+        name="SAGE_CRASH_AT",
+        default="unset",
+        rule="`<point>[:<n>]`",
+        read_by="scheduling/faults.py",
+        meaning="tests only: the process SIGKILLs itself the n-th time it reaches the "
+        "fault point (`claim.*`, `start.*`, `append.*`, `suspend.*`, `finish.*`, "
+        "`tool.started`); never set it in production",
+    ),
+    Described(
+        name="SAGE_STOP_AT",
+        default="unset",
+        rule="`<point>[:<n>]`",
+        read_by="scheduling/faults.py",
+        meaning="tests only: as `SAGE_CRASH_AT`, but the process SIGSTOPs itself",
+    ),
+)
 
 JOB_RUNTIMES = ("memory", "celery")
 # libpq's network timeouts on PostgreSQL (DATABASE_URL query parameters override them).
@@ -252,11 +464,7 @@ def _parse_limit(limit: Limit, raw: str | None) -> tuple[int | None, str | None]
     text = raw.strip()
     if limit.allow_none and text.lower() == "none":
         return None, None
-    rule = f"an integer ≥ {limit.minimum}"
-    if limit.maximum is not None:
-        rule = f"an integer from {limit.minimum} to {limit.maximum}"
-    if limit.allow_none:
-        rule += " or 'none'"
+    rule = limit.rule
     try:
         value = int(text)
     except ValueError:
@@ -574,3 +782,59 @@ def exit_on_errors(config: Config, *, program: str = "sage") -> None:
         for error in config.errors:
             print(f"{program}: configuration error: {error.message}", file=sys.stderr)
         raise SystemExit(2)
+
+
+# ------------------------------------------------------------------ docs/SETTINGS.md
+
+SETTINGS_DOC_HEADER = (
+    "# Settings\n\n"
+    "<!-- Generated from sageproject/config.py: do not edit. Regenerate with\n"
+    "     python -m sageproject.config --markdown > docs/SETTINGS.md -->\n\n"
+    "Every setting Sage Host reads from the environment. An invalid value stops start-up "
+    "with one line\nnaming the variable and the rule; `manage.py check` reports the same "
+    "under the rule's check id.\n\n"
+)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def settings_table() -> str:
+    """docs/SETTINGS.md: one Markdown row per setting (variable, default, rule and its
+    check ids, meaning), rendered from the declarations above."""
+    rows = ["| variable | default | rule (check id) | meaning |", "| --- | --- | --- | --- |"]
+
+    def row(name: str, default: str, rule: str, ids: list[str], meaning: str) -> None:
+        checks = ", ".join(f"`{i}`" for i in ids)
+        rule_cell = f"{rule} ({checks})" if checks else rule
+        rows.append(f"| `{name}` | {_cell(default)} | {_cell(rule_cell)} | {_cell(meaning)} |")
+
+    for limit in LIMITS:
+        rule, ids = limit.rule, [limit.check_id]
+        if limit.name in CROSS_RULES:
+            cross_id, cross = CROSS_RULES[limit.name]
+            rule, ids = f"{rule}; {cross}", [limit.check_id, cross_id]
+        default = "unset" if limit.default is None else str(limit.default)
+        row(limit.name, default, rule, ids, limit.meaning)
+    for boolean in BOOLEANS:
+        default = "on" if boolean.default else "off"
+        row(
+            boolean.name,
+            default,
+            "1/0, true/false, yes/no or on/off",
+            [boolean.check_id],
+            boolean.meaning,
+        )
+    for described in DESCRIBED:
+        meaning = described.meaning
+        if described.read_by:
+            meaning += f" (read by {described.read_by})"
+        row(described.name, described.default, described.rule, list(described.check_ids), meaning)
+    return SETTINGS_DOC_HEADER + "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--markdown"]:
+        raise SystemExit("usage: python -m sageproject.config --markdown > docs/SETTINGS.md")
+    sys.stdout.write(settings_table())

@@ -274,3 +274,14 @@ def test_the_wake_up_and_live_sockets_live_under_sage_local_dir(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(tmp_path / "wakeup"), str(tmp_path / "live")]
+
+
+def test_the_held_pipeline_is_on_unless_turned_off():
+    assert config.load({})["SAGE_PG_HELD_PIPELINE"] is True
+    assert config.load({"SAGE_PG_HELD_PIPELINE": "off"})["SAGE_PG_HELD_PIPELINE"] is False
+    assert config.load({"SAGE_PG_HELD_PIPELINE": "maybe"}).errors == [
+        config.Problem(
+            "sageproject.E024",
+            "SAGE_PG_HELD_PIPELINE must be 1/0, true/false, yes/no or on/off (got 'maybe')",
+        )
+    ]

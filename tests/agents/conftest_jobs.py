@@ -9,7 +9,6 @@ gets its own key prefix, and everything written is deleted afterwards.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import subprocess
 import sys
@@ -32,21 +31,6 @@ from scheduling.models import Event, Run
 REPO = Path(__file__).resolve().parents[2]
 REDIS_URL = os.environ.get("SAGE_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
 WORKER_START_TIMEOUT = 40.0
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool] | bool], *, within: float = 20.0, interval: float = 0.01
-) -> None:
-    """Poll ``check`` until it is true; for state that lives in another process (Redis,
-    a worker, the kernel) and so has no event to wait on. Raises ``TimeoutError``."""
-    async with asyncio.timeout(within):
-        while True:
-            result = check()
-            if inspect.isawaitable(result):
-                result = await result
-            if result:
-                return
-            await asyncio.sleep(interval)
 
 
 def redis_available() -> bool:

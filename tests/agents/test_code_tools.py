@@ -24,7 +24,7 @@ from agents.readiness import check_readiness
 from agents.tools import ToolContext, ToolError, build_registry
 from pooling.interpreters import InterpreterLimits
 from pooling.sessions import SessionPool, cgroup_limit
-from tests.agents.conftest_jobs import eventually
+from tests.waiting import awaited_until
 
 MIB = 1024 * 1024
 LIMITS = InterpreterLimits(
@@ -133,6 +133,7 @@ async def test_it_returns_stderr_and_the_error_of_a_failing_snippet(
     assert "ValueError: boom" in output
 
 
+@pytest.mark.timing
 async def test_it_kills_a_snippet_past_its_timeout_and_recovers(
     runtime: CodeToolsRuntime,
 ) -> None:
@@ -241,7 +242,7 @@ async def test_it_never_evicts_a_session_while_its_snippet_runs(
     flag = tmp_path / "go"
     code = f"import os, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.01)\n'done'"
     call = asyncio.create_task(runtime.run_python_session({"code": code}, ctx("s-busy")))
-    await eventually(lambda: (s := runtime.sessions.get("s-busy")) is not None and s.busy)
+    await awaited_until(lambda: (s := runtime.sessions.get("s-busy")) is not None and s.busy)
     runtime.sessions.rss_limit = 1  # permanently over the limit
     assert await runtime.sessions.make_room() == 0
     assert runtime.sessions.snapshot()["sessions"][0]["running_turn"] == "r-1"
@@ -249,6 +250,7 @@ async def test_it_never_evicts_a_session_while_its_snippet_runs(
     assert await call == "'done'"
 
 
+@pytest.mark.timing
 async def test_it_tells_the_agent_when_its_kernel_was_killed_by_a_limit(
     runtime: CodeToolsRuntime,
 ) -> None:
@@ -267,7 +269,7 @@ async def test_it_restarts_a_kernel_that_died_while_parked(runtime: CodeToolsRun
     live = runtime.sessions.get("s-1")
     assert live is not None and live.pid is not None
     os.kill(live.pid, signal.SIGKILL)
-    await eventually(lambda: not live.client.alive)
+    await awaited_until(lambda: not live.client.alive)
     output = await runtime.run_python_session({"code": "kept"}, ctx())
     assert output.startswith(DIED_NOTICE)
     assert "NameError" in output
@@ -289,7 +291,7 @@ async def test_it_leaves_no_process_behind_after_close() -> None:
     spawned = descendants() - before
     assert len(spawned) >= 4  # interpreters, spare and kernels
     await runtime.close()
-    await eventually(lambda: not any(alive(pid) for pid in spawned))
+    await awaited_until(lambda: not any(alive(pid) for pid in spawned))
     assert runtime.pools["python"].stats().created == 0
     assert len(runtime.sessions) == 0
 
@@ -301,7 +303,7 @@ async def test_it_runs_one_janitor_for_its_pools_and_the_session_reaper() -> Non
     try:
         await runtime.run_python_session({"code": "1"}, ctx("s-job", session_kind="job"))
         # The job kind's TTL is 0: the reaper closes it once idle; the janitor runs rounds.
-        await eventually(lambda: "s-job" not in runtime.sessions and runtime.janitor.rounds >= 2)
+        await awaited_until(lambda: "s-job" not in runtime.sessions and runtime.janitor.rounds >= 2)
     finally:
         await runtime.close()
 

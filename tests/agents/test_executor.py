@@ -26,6 +26,7 @@ from scheduling.runs import Fence
 from scheduling.worker import StopSignal
 from tests.conftest import demo_manifest, scripted_model
 from tests.pooling.upstream import upstream_fixture
+from tests.waiting import awaited_until
 
 upstream = upstream_fixture  # the loopback model server fixture
 
@@ -145,7 +146,12 @@ async def test_a_cancelled_run_ends_cancelled_with_the_events_it_made(executor, 
     stop = StopSignal()
 
     task = asyncio.create_task(executor.execute(run_id, fence, stop, row))
-    await asyncio.sleep(0.3)  # the start is committed, the model is streaming
+
+    async def streaming() -> bool:
+        first_tokens = executor.metrics.snapshot()["histograms"].get(FIRST_TOKEN, {})
+        return bool(first_tokens.get("series")) and "run.started" in await events_of(run_id)
+
+    await awaited_until(streaming, message="the start committed and the model streaming")
     stop.reason = "cancelled"
     task.cancel()
     outcome = await task

@@ -25,11 +25,11 @@ from tests.agents.conftest_jobs import (
     celery_app,
     celery_runtime,
     delete_keys,
-    eventually,
     require_redis,
     script,
     wait_until_worker_ready,
 )
+from tests.waiting import awaited_until
 
 # The module-scoped worker fixture, bound here so pytest finds it.
 celery_worker = conftest_jobs.celery_worker
@@ -69,7 +69,7 @@ async def wait_for_state(runtime: CeleryJobRuntime, job_id: str, state: JobState
     async def reached() -> bool:
         return (await runtime.inspect(job_id)).state is state
 
-    await eventually(reached)
+    await awaited_until(reached)
 
 
 async def read_all(runtime: CeleryJobRuntime, job_id: str) -> bytes:
@@ -201,7 +201,7 @@ async def test_it_refuses_run_scoped_runners(runtimes):
 async def test_it_cancels_a_running_script_on_the_worker(runtimes):
     runtime = runtimes()
     handle = await runtime.submit(script("import time\nprint('up', flush=True)\ntime.sleep(60)"))
-    await eventually(lambda: read_all(runtime, handle.job_id))
+    await awaited_until(lambda: read_all(runtime, handle.job_id))
 
     killed = await runtime.cancel(handle.job_id)
 

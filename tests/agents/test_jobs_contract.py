@@ -21,7 +21,7 @@ from agents.jobs import (
 )
 from sageproject.errors import ErrorCategory, SageError
 from tests.agents import conftest_jobs
-from tests.agents.conftest_jobs import eventually
+from tests.waiting import awaited_until
 
 # Fixtures shared with test_jobs_celery.py, bound here so pytest finds them.
 celery_worker = conftest_jobs.celery_worker
@@ -38,7 +38,7 @@ async def wait_for_state(runtime: Any, job_id: str, state: JobState) -> JobSnaps
         seen.append(await runtime.inspect(job_id))
         return seen[-1].state is state
 
-    await eventually(reached, within=STATE_TIMEOUT)
+    await awaited_until(reached, within=STATE_TIMEOUT)
     return seen[-1]
 
 

@@ -18,8 +18,9 @@ from agents.jobs import (
 )
 from agents.jobs.python_script import python_script_runner
 from sageproject.errors import SageError
-from tests.agents.conftest_jobs import eventually, script
+from tests.agents.conftest_jobs import script
 from tests.conftest import FakeClock
+from tests.waiting import awaited_until
 
 
 def spec(kind: str = "echo", run: str = "run-alice", **payload: Any) -> JobSpec:
@@ -147,7 +148,7 @@ async def test_a_kill_during_the_start_event_records_the_events_in_order():
     # The recording of job.started runs in a database thread; a kill arriving meanwhile
     # must wait for it, or job.killed is written first and job.started after it.
     written: list[str] = []
-    recording_started = asyncio.Event()
+    recording_started, killed_recorded = asyncio.Event(), asyncio.Event()
 
     async def slow_sink(snapshot, event_type, data):
         if event_type == "job.started":
@@ -155,13 +156,16 @@ async def test_a_kill_during_the_start_event_records_the_events_in_order():
             await asyncio.to_thread(lambda: (time.sleep(0.2), written.append(event_type)))
         else:
             written.append(event_type)
+            if event_type == "job.killed":
+                killed_recorded.set()
 
     runtime = InMemoryJobRuntime(on_event=slow_sink)
     handle = await runtime.submit(spec("sleep", seconds=3600))
     await recording_started.wait()
 
     assert (await runtime.cancel(handle.job_id)).state is JobState.KILLED
-    await asyncio.sleep(0.3)
+    async with asyncio.timeout(10):
+        await killed_recorded.wait()
     assert written == ["job.created", "job.started", "job.killed"]
     await runtime.close()
 
@@ -331,6 +335,7 @@ async def test_it_gives_a_script_no_inherited_secrets(monkeypatch):
     assert b"PATH" in body
 
 
+@pytest.mark.timing
 async def test_it_fails_a_script_past_its_wall_clock_limit():
     runtime = scripted()
     handle = await runtime.submit(script("import time\ntime.sleep(30)", timeout_seconds=0.5))
@@ -366,13 +371,13 @@ async def test_it_kills_a_scripts_process_group_on_cancel(tmp_path):
     )
     runtime = scripted()
     handle = await runtime.submit(script(source))
-    await eventually(lambda: read_all(runtime, handle.job_id))
+    await awaited_until(lambda: read_all(runtime, handle.job_id))
     child = int(pid_file.read_text())
 
     killed = await runtime.cancel(handle.job_id)
 
     assert killed.state is JobState.KILLED
-    await eventually(lambda: not _alive(child))
+    await awaited_until(lambda: not _alive(child))
 
 
 def _alive(pid: int) -> bool:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from scheduling.models import TERMINAL_STATUSES, Run
 from scheduling.worker import Worker
+from tests.waiting import wait_until
 
 
 async def _close_executor_connections(loop: asyncio.AbstractEventLoop) -> None:
@@ -90,12 +90,7 @@ def wait_for(
     predicate: Callable[[], bool], *, timeout: float = 30.0, message: str = "condition"
 ) -> None:
     """Poll the database until ``predicate`` holds; fail with ``message`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {message}")
+    wait_until(predicate, timeout=timeout, message=message)
 
 
 def all_terminal(run_ids) -> bool:

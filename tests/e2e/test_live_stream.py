@@ -14,6 +14,7 @@ from scheduling import live
 from scheduling.models import Event, Run, RunStatus
 from tests.conftest import client_for, demo_manifest, scripted_model
 from tests.e2e.conftest import all_terminal, wait_for
+from tests.waiting import awaited_until
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -120,9 +121,7 @@ def test_a_delta_published_once_the_stream_began_reaches_it(alice):
             delta = {"type": "message.delta", "payload": {"text": "first", "offset": 0}}
             publisher.publish({"session": session, "run": None, **delta})
             # Sent (notified, or written to the listening sockets) before reading on.
-            deadline = time.monotonic() + BOUND
-            while publisher.sent < 1 and time.monotonic() < deadline:  # noqa: ASYNC110 (a counter)
-                await asyncio.sleep(0.01)
+            await awaited_until(lambda: publisher.sent >= 1, within=BOUND, message="the send")
             buffer = b""
             while b"message.delta" not in buffer:
                 buffer += await asyncio.wait_for(iterator.__anext__(), 10)
@@ -188,16 +187,21 @@ def test_a_subscriber_that_never_reads_does_not_slow_the_run(alice, start_worker
                     "/api/v1/runs/", {"session": session, "input": "go"}, format="json"
                 ).json()["id"]
             )
-            deadline = time.monotonic() + BOUND
-            while not await asyncio.to_thread(all_terminal, [run_id]):
-                assert time.monotonic() < deadline, "the run did not finish"
-                await asyncio.sleep(0.05)
+            await awaited_until(
+                lambda: asyncio.to_thread(all_terminal, [run_id]),
+                within=BOUND,
+                interval=0.05,
+                message="the run to finish",
+            )
             assert (await Run.objects.aget(pk=run_id)).status == RunStatus.COMPLETED
             # Deltas still in flight when the run ended arrive later on a busy machine (a
             # fixed half second was not always enough): wait for the overflow, bounded.
-            deadline = time.monotonic() + BOUND
-            while dropped(subscription) == 0 and time.monotonic() < deadline:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+            await awaited_until(
+                lambda: dropped(subscription) > 0,
+                within=BOUND,
+                interval=0.05,
+                message="the overflow",
+            )
             return dropped(subscription), subscription.queue.qsize()
         finally:
             await subscription.close()

@@ -98,6 +98,7 @@ def snapshot_after(worker_id: str, moment) -> None:
     )
 
 
+@pytest.mark.timing
 def test_each_family_agrees_with_the_database(
     alice, bob, carol, staff, start_worker, metrics_dir, settings
 ):

@@ -110,6 +110,7 @@ def test_it_cancels_a_running_run(alice, start_worker):
     assert Event.objects.filter(run_id=run_id, type="run.cancelled").exists()
 
 
+@pytest.mark.timing
 def test_it_requeues_unfinished_runs_on_shutdown(alice, start_worker):
     from agents.services import packages
 

@@ -19,6 +19,7 @@ from django.conf import settings
 
 from sagehost import webserver
 from tests.pgcluster import free_port
+from tests.waiting import wait_until
 
 
 def _children(parent: int, marker: bytes | None = b"sagehost.webserver") -> set[int]:
@@ -38,13 +39,7 @@ def _children(parent: int, marker: bytes | None = b"sagehost.webserver") -> set[
 
 
 def _wait(condition, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(condition, timeout=seconds, interval=0.1, message=what)
 
 
 def _port_sockets(pid: int, port: int, state: str) -> set[int]:
@@ -211,11 +206,13 @@ def test_sigterm_stops_the_web_process_and_the_worker_too(tmp_path) -> None:
     children: set[int] = set()
     try:
         # Up once it says so (its banner comes after the web process answers).
-        deadline = time.monotonic() + 120
-        while not any("Press Ctrl-C to stop." in line for line in lines):
-            assert host.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "runhost did not start"
-            time.sleep(0.2)
+        wait_until(
+            lambda: any("Press Ctrl-C to stop." in line for line in lines),
+            timeout=120,
+            interval=0.2,
+            message="runhost to start",
+            abort=lambda: None if host.poll() is None else "runhost exited:\n" + "".join(lines),
+        )
         children = _children(host.pid, None)
         assert len(children) == 2, children
         assert _healthy(port)

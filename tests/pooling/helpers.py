@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -25,19 +25,6 @@ CALCULATOR = ToolSpec(
     description="Evaluate an arithmetic expression",
     parameters={"type": "object", "properties": {"expression": {"type": "string"}}},
 )
-
-
-async def until(
-    predicate: Callable[[], bool], *, rounds: int = 10_000, interval: float = 0.0
-) -> None:
-    """Wait until ``predicate()`` holds, checking it ``rounds`` times at most with a sleep of
-    ``interval`` seconds between checks (``0``: one turn of the loop, no wall-clock sleep);
-    raises ``AssertionError`` if it never holds, so a bug fails rather than hangs."""
-    for _ in range(rounds):
-        if predicate():
-            return
-        await asyncio.sleep(interval)
-    raise AssertionError("condition never became true")
 
 
 async def cancel(task: asyncio.Future[Any]) -> None:

@@ -15,7 +15,8 @@ import pytest
 
 from pooling.budget import BoundedModelProvider, ModelConcurrencyBudget
 from sageproject.errors import ErrorCategory, SageError
-from tests.pooling.helpers import cancel, until
+from tests.pooling.helpers import cancel
+from tests.waiting import turns_until
 
 SNAPSHOT_KEYS = [
     "limit",
@@ -60,7 +61,7 @@ async def enqueue(budget: ModelConcurrencyBudget, coro: Any) -> asyncio.Task[Any
     """Start ``coro`` and wait until it has joined the budget's queue."""
     before = budget.waiting
     task = asyncio.create_task(coro)
-    await until(lambda: budget.waiting == before + 1)
+    await turns_until(lambda: budget.waiting == before + 1)
     return task
 
 
@@ -238,6 +239,7 @@ async def test_it_never_lets_a_newcomer_jump_the_queue_after_a_release() -> None
 # -- timeouts ------------------------------------------------------------------------------
 
 
+@pytest.mark.timing
 async def test_it_times_out_a_waiter_that_gets_no_slot() -> None:
     budget, holder = await full_budget(wait_timeout_seconds=0.05)
     refused = await refusal(budget, "model.queue_timeout")
@@ -247,6 +249,7 @@ async def test_it_times_out_a_waiter_that_gets_no_slot() -> None:
     assert budget.snapshot()["timed_out"] == 1
 
 
+@pytest.mark.timing
 async def test_it_times_out_every_expired_waiter_and_serves_the_later_ones() -> None:
     budget, holder = await full_budget(wait_timeout_seconds=0.05)
     results = await asyncio.gather(
@@ -262,6 +265,7 @@ async def test_it_times_out_every_expired_waiter_and_serves_the_later_ones() -> 
     assert budget.snapshot()["active"] == 0
 
 
+@pytest.mark.timing
 async def test_it_never_cuts_off_an_admitted_call_at_the_wait_timeout() -> None:
     budget = ModelConcurrencyBudget(1, wait_timeout_seconds=0.05)
     outcome: list[str] = []

@@ -13,7 +13,8 @@ import pytest
 
 from pooling.clients import ModelClientPool, ModelLease, pool_key
 from sageproject.errors import ErrorCategory, SageError
-from tests.pooling.helpers import cancel, until
+from tests.pooling.helpers import cancel
+from tests.waiting import turns_until
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,7 +221,7 @@ async def test_it_builds_once_for_fifty_concurrent_cold_acquires(clients: Client
     clients.build_gate = asyncio.Event()
     tasks = [asyncio.create_task(pool.acquire("alice", Record(id=1))) for _ in range(50)]
     await clients.build_started.wait()
-    await until(lambda: pool._active_leases == 50)
+    await turns_until(lambda: pool._active_leases == 50)
     clients.build_gate.set()
     leases = await asyncio.gather(*tasks)
     assert {id(lease.provider) for lease in leases} == {id(clients.built[0])}
@@ -237,7 +238,7 @@ async def test_it_keeps_building_for_others_when_one_waiter_is_cancelled(
     doomed = asyncio.create_task(pool.acquire("alice", Record(id=1)))
     patient = asyncio.create_task(pool.acquire("alice", Record(id=1)))
     await clients.build_started.wait()
-    await until(lambda: pool._active_leases == 2)
+    await turns_until(lambda: pool._active_leases == 2)
     await cancel(doomed)
     assert (await pool.snapshot())["active_leases"] == 1
     clients.build_gate.set()
@@ -273,7 +274,7 @@ async def test_it_fails_every_waiter_of_a_failed_shared_build(clients: Clients) 
     clients.build_gate = asyncio.Event()
     clients.fail_builds = 1
     tasks = [asyncio.create_task(pool.acquire("alice", Record(id=1))) for _ in range(3)]
-    await until(lambda: pool._active_leases == 3)
+    await turns_until(lambda: pool._active_leases == 3)
     clients.build_gate.set()
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert all(isinstance(result, ConnectionError) for result in results)
@@ -390,7 +391,7 @@ async def test_it_waits_for_leases_before_closing_clients(clients: Clients) -> N
     pool = make_pool(clients)
     lease = await pool.acquire("alice", Record(id=1))
     closing = asyncio.create_task(pool.close())
-    await until(lambda: pool.closed)
+    await turns_until(lambda: pool.closed)
     for _ in range(20):
         await asyncio.sleep(0)
     assert not closing.done()
@@ -457,7 +458,7 @@ async def test_it_closes_a_client_whose_build_finished_after_its_waiters_left(
     pool = make_pool(clients)
     await abandon_a_build(pool, clients)
     closing = asyncio.create_task(pool.close())
-    await until(lambda: pool.closed)
+    await turns_until(lambda: pool.closed)
     clients.build_gate.set()
     # A lease leaked by the cancelled waiter would make close() wait forever.
     async with asyncio.timeout(5):

@@ -19,7 +19,8 @@ from pooling.elastic import (
     spares_for,
 )
 from sageproject.errors import SageError
-from tests.pooling.helpers import cancel, until
+from tests.pooling.helpers import cancel
+from tests.waiting import turns_until
 
 
 class Boots:
@@ -83,7 +84,7 @@ async def grow_to(pool: ElasticPool[int], n: int) -> None:
 
 
 async def wait_for_waiters(pool: ElasticPool[int], n: int) -> None:
-    await until(lambda: pool.stats().waiting >= n)
+    await turns_until(lambda: pool.stats().waiting >= n)
 
 
 def checkout_task(pool: ElasticPool[int]) -> asyncio.Task[None]:
@@ -150,7 +151,7 @@ async def test_it_creates_exactly_two_states_for_two_overlapping_requests_on_76_
     await wait_for_waiters(pool, 1)
     boots.gate.set()
     await first_in.wait()
-    await until(lambda: pool.stats().in_use == 2)
+    await turns_until(lambda: pool.stats().in_use == 2)
     release.set()
     await asyncio.gather(a, b)
     assert pool.stats().created == 2
@@ -194,7 +195,7 @@ async def test_it_never_prewarms_more_than_the_callers_waiting() -> None:
     extra += [asyncio.create_task(request()) for _ in range(3)]
     await wait_for_waiters(pool, 3)
     boots.gate.set()
-    await until(lambda: pool.stats().in_use == 5)
+    await turns_until(lambda: pool.stats().in_use == 5)
     assert pool.stats().created == 5
     release.set()
     release_extra.set()
@@ -475,7 +476,7 @@ def test_it_derives_the_spares_from_the_grow_step() -> None:
 async def test_it_hands_a_miss_the_spare_booted_ahead() -> None:
     boots, pool, factory = spare_pool(1)
     tasks, release = await hold_many(pool, 1)  # boots state 1 and, ahead of demand, spare 2
-    await until(lambda: boots.booted == 2)
+    await turns_until(lambda: boots.booted == 2)
     boots.gate = asyncio.Event()  # from now on no boot can finish
     async with pool.checkout() as state:
         # The miss got the booted spare without waiting for a boot; a refill is under way.
@@ -498,7 +499,7 @@ async def test_it_keeps_the_pool_policy_with_spares_two_overlapping_requests_mak
 async def test_it_trims_spares_to_one_once_the_pool_sits_idle_and_regrows_them() -> None:
     boots, pool, factory = spare_pool(3)
     await grow_to(pool, 2)
-    await until(lambda: boots.booted == 5)  # two states, three spares
+    await turns_until(lambda: boots.booted == 5)  # two states, three spares
     assert factory.held == 3
     await pool.reclaim_once()  # the round that saw the checkouts
     await pool.reclaim_once()  # first idle round: grace
@@ -507,7 +508,7 @@ async def test_it_trims_spares_to_one_once_the_pool_sits_idle_and_regrows_them()
     assert (pool.stats().created, factory.held) == (1, 1)  # the floor plus one spare at rest
     assert len(boots.closed) == 3
     tasks, release = await hold_many(pool, 2)  # the second caller misses and takes the spare
-    await until(lambda: factory.held == 3)
+    await turns_until(lambda: factory.held == 3)
     release.set()
     await asyncio.gather(*tasks)
     await pool.close()
@@ -516,7 +517,7 @@ async def test_it_trims_spares_to_one_once_the_pool_sits_idle_and_regrows_them()
 async def test_it_keeps_the_spares_under_steady_traffic_that_does_not_grow_the_pool() -> None:
     _, pool, factory = spare_pool(2)
     await grow_to(pool, 1)
-    await until(lambda: factory.held == 2)
+    await turns_until(lambda: factory.held == 2)
     for _ in range(4):  # one checkout per janitor round: never idle, never growing
         async with pool.checkout():
             pass

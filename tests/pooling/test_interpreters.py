@@ -76,6 +76,7 @@ async def test_it_kills_and_replaces_a_cpu_bound_infinite_loop(interp: WarmInter
     assert (await interp.run("'still warm'")).stdout == "'still warm'\n"
 
 
+@pytest.mark.timing
 async def test_it_kills_and_replaces_a_snippet_past_the_wall_clock(
     interp: WarmInterpreter,
 ) -> None:
@@ -159,6 +160,7 @@ async def test_it_interrupts_a_kernel_snippet_and_keeps_its_variables(
     assert (await kernel.run("kept")).stdout == "'yes'\n"
 
 
+@pytest.mark.timing
 async def test_it_reports_a_lost_kernel_after_a_limit_breach(kernel: KernelClient) -> None:
     await kernel.run("x = 1")
     result = await kernel.run("import time\ntime.sleep(30)", timeout=0.2)

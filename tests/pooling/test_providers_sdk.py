@@ -351,6 +351,7 @@ async def test_it_reports_a_dropped_stream_as_retryable(upstream, protocol, clie
     assert (error.code, error.retryable) == ("upstream.error", True)
 
 
+@pytest.mark.timing
 async def test_it_reports_a_read_timeout_as_retryable(upstream, protocol):
     gate = threading.Event()
     upstream.enqueue(Reply(text="slow reply here", gate=gate))

@@ -37,6 +37,7 @@ from django.utils import timezone
 
 from sageproject.db import database_url
 from scheduling.children import ROOT, Child
+from tests.waiting import wait_until
 
 # Worker settings for tests: a renewal every second and leases long enough that a loaded
 # machine (a worker's event loop stalled for seconds, e.g. importing a vendor SDK) does not
@@ -226,22 +227,20 @@ class WorkerProcesses:
         """Poll ``predicate`` until it holds; at the deadline fail with ``message`` and the
         workers' logs. Fails at once when a worker in ``running`` has exited (a worker that
         stopped on an error will not make the predicate true)."""
-        deadline = time.monotonic() + timeout
         running = tuple(running)
-        while True:
-            if predicate():
-                return
-            exited = [w for w in running if not w.alive]
-            if exited:
-                names = ", ".join(f"{w.name} ({w.returncode})" for w in exited)
-                raise AssertionError(
-                    f"worker {names} exited while waiting for {message}\n{self.describe()}"
-                )
-            if time.monotonic() >= deadline:
-                raise AssertionError(
-                    f"timed out after {timeout}s waiting for {message}\n{self.describe()}"
-                )
-            time.sleep(poll)
+
+        def exited() -> str | None:
+            dead = [w for w in running if not w.alive]
+            names = ", ".join(f"{w.name} ({w.returncode})" for w in dead)
+            return f"worker {names} exited" if dead else None
+
+        wait_until(
+            predicate,
+            timeout=timeout,
+            interval=poll,
+            message=lambda: f"{message}\n{self.describe()}",
+            abort=exited,
+        )
 
 
 @pytest.fixture(name="worker_processes")

@@ -36,6 +36,7 @@ from django.db import connection
 from sageproject.db import database_url
 from scheduling.models import TERMINAL_STATUSES, Event, Run, RunStatus, Session, WorkerSnapshot
 from scheduling.runs import CLAIM_IDLE_TIMEOUT_MS, TERMINAL_EVENTS
+from tests import waiting
 from tests.conftest import demo_manifest
 from tests.pgcluster import throwaway_cluster
 from tests.scheduling.processes import ROOT, WorkerProcess, worker_env
@@ -98,25 +99,20 @@ def wait_until(
     interval: float = 0.1,
     workers: tuple[WorkerProcess, ...] = (),
 ) -> Any:
-    """Poll ``predicate`` until it returns something truthy (returned); fail at the
-    deadline, or at once when one of ``workers`` exits."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
+    """`tests.waiting.wait_until`, failing at once when one of ``workers`` exits; the
+    failure carries their logs."""
+
+    def exited() -> str | None:
         dead = [w for w in workers if not w.alive]
-        expired = time.monotonic() >= deadline
-        if dead or expired:
-            text = message() if callable(message) else message
-            why = (
-                f"worker {dead[0].name} exited with status {dead[0].returncode}"
-                if dead
-                else f"timed out after {timeout:.0f}s"
-            )
-            logs = "\n".join(f"--- {w.name} log ---\n{w.tail()}" for w in workers)
-            raise AssertionError(f"{why} waiting for {text}\n{logs}")
-        time.sleep(interval)
+        return f"worker {dead[0].name} exited with status {dead[0].returncode}" if dead else None
+
+    def text() -> str:
+        logs = "\n".join(f"--- {w.name} log ---\n{w.tail()}" for w in workers)
+        return f"{message() if callable(message) else message}\n{logs}"
+
+    return waiting.wait_until(
+        predicate, timeout=timeout, interval=interval, message=text, abort=exited
+    )
 
 
 # ------------------------------------------------------------------------------ 1: frozen claim
@@ -164,6 +160,7 @@ def _assert_run_histories(run_ids: list[Any]) -> None:
         assert session.persisted_events == len(seqs)
 
 
+@pytest.mark.timing
 @pytest.mark.storage
 @pytest.mark.django_db(transaction=True)
 def test_a_worker_frozen_inside_its_claim_does_not_stall_the_others(

@@ -23,6 +23,7 @@ from scheduling.runs import Fence, Outcome
 from scheduling.scheduler import SchedulerQuotaGroup
 from scheduling.store import append_events, close_default_coordinator
 from scheduling.worker import DatabaseScheduler, Dispatcher, StopSignal, is_transient
+from tests.waiting import awaited_until
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -256,6 +257,7 @@ async def test_it_requeues_unfinished_runs_with_worker_shutdown_after_the_grace(
     assert run.error["resumable"] is True
 
 
+@pytest.mark.timing
 async def test_it_cancels_an_execution_whose_run_cancellation_was_requested(one_run):
     executor, run = await _stopped_mid_run(
         one_run, {"cancel_requested": True}, cancel_poll_seconds=0.05
@@ -264,6 +266,7 @@ async def test_it_cancels_an_execution_whose_run_cancellation_was_requested(one_
     assert (run.status, run.error["code"]) == (RunStatus.CANCELLED, "run.cancelled")
 
 
+@pytest.mark.timing
 async def test_it_cancels_an_execution_whose_lease_was_taken_over(one_run):
     # Another worker took the run over: the renewer's conditional update matches nothing.
     taken_over = {"lease_owner": "other", "lease_token": 10**9}
@@ -406,10 +409,9 @@ async def test_an_idle_worker_claims_a_run_when_its_wake_up_arrives(db, monkeypa
     task = asyncio.create_task(worker.run())
     try:
         # Idle: its first claim found nothing and the claim loop waits (the poll is far off).
-        deadline = asyncio.get_running_loop().time() + BOUND
-        while not worker.scheduler._ledger.waiters:
-            assert asyncio.get_running_loop().time() < deadline, "the worker never went idle"
-            await asyncio.sleep(0.01)
+        await awaited_until(
+            lambda: worker.scheduler._ledger.waiters, within=BOUND, message="the worker idle"
+        )
 
         def admit() -> dict[str, str]:
             with transaction.atomic():

@@ -11,6 +11,7 @@ from django.db import connection, connections
 from psycopg_pool import ConnectionPool
 
 from sageproject import pgpool
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -70,14 +71,17 @@ def test_the_pool_gives_connections_back_without_its_worker_thread():
 def test_a_connection_the_server_ended_is_refused_at_once(raw_connection):
     pgpool.check(raw_connection)  # handed out just now
     terminate(raw_connection)
-    for _ in range(100):  # the server's goodbye reaches the socket within moments
-        if not pgpool._quiet(raw_connection):
-            break
-        time.sleep(0.01)
+    wait_until(
+        lambda: not pgpool._quiet(raw_connection),
+        timeout=5,
+        interval=0.01,
+        message="the server's goodbye on the socket",
+    )
     with pytest.raises(psycopg.OperationalError):
         pgpool.check(raw_connection)
 
 
+@pytest.mark.timing
 def test_the_orm_never_gets_a_connection_the_server_ended(raw_connection):
     if connection.pool is None:
         pytest.skip("the database is configured without the pool")

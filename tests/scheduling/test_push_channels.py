@@ -20,6 +20,7 @@ from scheduling import live, wakeups
 from scheduling.models import Event, Run, RunStatus
 from tests.conftest import require_service
 from tests.scheduling.processes import worker_processes_fixture
+from tests.waiting import awaited_until
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -187,13 +188,6 @@ async def _publish_one_by_one(publisher: live.LivePublisher, n: int, start: int 
             await asyncio.sleep(0)
 
 
-async def _until(condition, seconds: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + seconds
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "not reached in time"
-        await asyncio.sleep(0.01)
-
-
 @pytest.fixture
 def socket_transport(transport) -> None:
     if transport != "socket":
@@ -209,7 +203,7 @@ async def test_a_socket_that_falls_behind_gets_every_delta_once_it_reads(
     received: list[dict[str, Any]] = []
     async with _publisher_and_receivers() as (publisher, [receiver]):
         await _publish_one_by_one(publisher, 60)
-        await _until(lambda: _read(receiver, received) >= 60)
+        await awaited_until(lambda: _read(receiver, received) >= 60, within=30)
     assert [m["payload"]["text"] for m in received] == [str(i) for i in range(60)]
     assert publisher.snapshot()["dropped"] == 0
     assert publisher.snapshot()["congested"] == 0
@@ -225,13 +219,15 @@ async def test_a_socket_that_stays_full_loses_deltas_counted_until_it_reads_agai
         await _publish_one_by_one(publisher, 60)
         # A stuck process: what did not fit waited its time, then was dropped and
         # counted, and its socket is congested (no further wait for it).
-        await _until(lambda: publisher.sent >= 60 and publisher.snapshot()["congested"] == 1)
+        await awaited_until(
+            lambda: publisher.sent >= 60 and publisher.snapshot()["congested"] == 1, within=30
+        )
         assert publisher.snapshot()["dropped"] > 0
         assert 0 < _read(receiver, queued) < 60
         assert len(queued) + publisher.dropped == 60
         # It reads again: the next delta is delivered and the socket is no longer congested.
         await _publish_one_by_one(publisher, 1, start=60)
-        await _until(lambda: _read(receiver, received) >= 1)
+        await awaited_until(lambda: _read(receiver, received) >= 1, within=30)
     assert [m["payload"]["text"] for m in received] == ["60"]
     assert publisher.snapshot()["congested"] == 0
 
@@ -244,9 +240,9 @@ async def test_a_web_process_that_reads_late_holds_up_no_other(socket_transport,
     prompt: list[dict[str, Any]] = []
     async with _publisher_and_receivers(2) as (publisher, [stuck, reading]):
         await _publish_one_by_one(publisher, 60)
-        await _until(lambda: _read(reading, prompt) >= 60, seconds=20)
+        await awaited_until(lambda: _read(reading, prompt) >= 60, within=20)
         assert _read(stuck, late) < 60  # its socket filled up: the rest waits for it
-        await _until(lambda: _read(stuck, late) >= 60)
+        await awaited_until(lambda: _read(stuck, late) >= 60, within=30)
     assert [m["payload"]["text"] for m in prompt] == [str(i) for i in range(60)]
     assert [m["payload"]["text"] for m in late] == [str(i) for i in range(60)]
     assert publisher.snapshot()["dropped"] == 0

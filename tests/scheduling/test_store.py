@@ -34,6 +34,7 @@ from scheduling.store import (
     close_default_coordinator,
     dump_events,
 )
+from tests.waiting import turns_until
 
 BOUND = 20.0  # seconds: a broken store fails the test instead of hanging it
 
@@ -161,11 +162,10 @@ class WriterGate:
 
     async def wait_queued(self, n: int) -> None:
         writer = self.coordinator._writer_for(str(self.session_id))
-        for _ in range(10_000):
-            if writer.queue.qsize() >= n:
-                return
-            await asyncio.sleep(0)  # yield so the commit tasks reach the queue
-        raise AssertionError(f"{n} commits never reached the writer queue")
+        # Turns of the loop let the commit tasks reach the queue.
+        await turns_until(
+            lambda: writer.queue.qsize() >= n, message=f"{n} commits in the writer queue"
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,6 @@ runs it admits); the web process lives as long as the host.
 from __future__ import annotations
 
 import sys
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -22,6 +21,7 @@ import httpx
 from scheduling.children import Child
 from tests.pgcluster import free_port
 from tests.scheduling.processes import worker_env
+from tests.waiting import WaitTimeout, wait_until
 
 STARTUP_TIMEOUT = 90.0  # two shared cores, a Django start-up per process
 RUN_TIMEOUT = 60.0
@@ -96,14 +96,14 @@ class LiveHost:
             return False
 
     def _wait(self, what: str, ready: Callable[[], bool], children: list[Child]) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while not ready():
-            for child in children:
-                if not child.alive:
-                    raise RuntimeError(f"{child.name} exited while starting\n{self.describe()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out waiting for {what}\n{self.describe()}")
-            time.sleep(0.1)
+        def exited() -> str | None:
+            dead = [child.name for child in children if not child.alive]
+            return f"{dead[0]} exited" if dead else None
+
+        try:
+            wait_until(ready, timeout=STARTUP_TIMEOUT, interval=0.1, message=what, abort=exited)
+        except WaitTimeout as exc:
+            raise RuntimeError(f"{exc}\n{self.describe()}") from None
 
     # -- clients -----------------------------------------------------------------------------
 
@@ -117,17 +117,20 @@ class LiveHost:
     ) -> dict[str, Any]:
         """Poll ``GET /api/v1/runs/{id}/`` until its status is in ``until``; the last body.
         Raises ``AssertionError`` (with the worker's log) at ``RUN_TIMEOUT``."""
-        deadline = time.monotonic() + RUN_TIMEOUT
         body: dict[str, Any] = {}
-        while time.monotonic() < deadline:
+
+        def reached() -> dict[str, Any] | None:
+            nonlocal body
             response = api.get(f"/api/v1/runs/{run_id}/")
             body = response.json()
-            if response.status_code == 200 and body.get("status") in until:
-                return body
-            time.sleep(0.1)
-        raise AssertionError(
-            f"run {run_id} still {body.get('status')!r} after {RUN_TIMEOUT}s\n{self.describe()}"
-        )
+            return body if response.status_code == 200 and body.get("status") in until else None
+
+        try:
+            return wait_until(reached, timeout=RUN_TIMEOUT, interval=0.1, message=f"run {run_id}")
+        except WaitTimeout:
+            raise AssertionError(
+                f"run {run_id} still {body.get('status')!r} after {RUN_TIMEOUT}s\n{self.describe()}"
+            ) from None
 
 
 def make_user(name: str, *, staff: bool = False, password: str | None = None) -> tuple[Any, str]:

@@ -111,6 +111,27 @@ def api_routes() -> list[Route]:
     return routes
 
 
+# Routes of each resource that names another user's object: the matrix must reach them
+# all (a route walk that finds nothing would pass every check it no longer makes).
+KNOWN_ROUTES = {
+    "/api/v1/model-records/{pk}/",
+    "/api/v1/packages/{pk}/",
+    "/api/v1/sessions/{pk}/",
+    "/api/v1/sessions/{pk}/events/",
+    "/api/v1/runs/{pk}/",
+    "/api/v1/runs/{pk}/cancel/",
+    "/api/v1/runs/{pk}/reply/",
+    "/api/v1/runs/{run_id}/jobs/",
+    "/api/v1/archives/{run_id}/",
+    "/api/v1/reclamations/{pk}/",
+}
+
+
+def test_the_route_list_holds_every_known_route() -> None:
+    templates = {route.template for route in api_routes()}
+    assert templates and KNOWN_ROUTES <= templates, KNOWN_ROUTES - templates
+
+
 @dataclass
 class World:
     ids: dict[str, str]  # object kind -> Alice's (or staff's) object id
@@ -238,6 +259,7 @@ def test_another_users_objects_are_not_found_on_every_route(
     world = _alice_world(live_host, alice_token, staff_token, alice.username)
     before = _snapshot(alice)
     routes = api_routes()
+    assert KNOWN_ROUTES <= {route.template for route in routes}, "the route walk lost routes"
     failures: list[str] = []
     unmapped: list[str] = []
     requests = 0
