@@ -55,7 +55,7 @@ _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 # The child side. Kept dependency-free (stdlib only) because it runs under ``-I -S``.
 DRIVER = r"""
 # ``_signal``, not ``signal``: the latter imports enum, functools and collections, which
-# cost about a third of a boot (~7 ms on a small machine) for two constants.
+# cost about a third of a boot for two constants.
 import _ast, _signal, os, resource, sys, time
 
 CPU, MEM, CAP, PERSIST = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"

@@ -38,8 +38,8 @@ from django.db import close_old_connections
 from django.http import HttpRequest, HttpResponseBase, JsonResponse
 
 # Threads per CPU of a web process: a request spends about half its time waiting for the
-# database, so a few per CPU keep the CPUs busy; more only contend for the GIL (measured:
-# 8 threads serve about 15 % more requests per second than 20 on two CPUs, p99 a third lower).
+# database, so a few per CPU keep the CPUs busy; more only contend for the GIL
+# (docs/PERFORMANCE.md).
 THREADS_PER_CPU = 4
 
 
@@ -233,7 +233,7 @@ def get_application() -> Any:
     _ = get_resolver().url_patterns
     handler = ThreadedASGIHandler()
     # What start-up made (modules, settings, URL patterns) lives as long as the process:
-    # out of the collector's sight, a full collection no longer walks it (about 130 ms
-    # with Django, DRF and the SDKs loaded — a pause every request in flight would wait).
+    # out of the collector's sight, a full collection no longer walks it. Such a walk is
+    # a pause every request in flight would wait for (docs/PERFORMANCE.md).
     gc.freeze()
     return handler

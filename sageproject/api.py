@@ -190,9 +190,8 @@ class FieldsOnceMixin:
 
     DRF builds every instance's fields anew: the declared ones deep-copied (each field's
     ``__init__`` run again, its validators built again) and, for a ``ModelSerializer``, the
-    model's fields read and turned into serializer fields. Validating a run submission's
-    body took 140 to 185 µs here with DRF's copies and 76 µs with these — about a twentieth
-    of the express lane's CPU per submission — for fields that never change.
+    model's fields read and turned into serializer fields. That is half the cost of
+    validating a run submission's body, for fields that never change (docs/PERFORMANCE.md).
     Here the first instance builds them as DRF does (``get_fields``) and keeps them; every
     instance gets shallow copies, which binding (name, parent, source) changes on their
     own, while what they share (validators, choices, messages) nobody changes after

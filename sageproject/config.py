@@ -550,10 +550,10 @@ def parse_database_url(url: str, *, base_dir: str) -> dict[str, Any]:
         options["prepare_threshold"] = PREPARE_EXPLICIT_ONLY if prepared else None
         if prepared:
             # ... and always run on the plan made once (a generic plan). Left to choose,
-            # PostgreSQL compared each execution's estimated cost with the generic plan's
-            # and, for the claim, went on planning every call (1.3 to 1.9 ms of the
-            # database's CPU per claim against 0.4 to 1.2 ms of running it) once its
-            # statistics saw many queued runs. The generic plans run no slower. Django's
+            # PostgreSQL compared each execution's estimated cost with the generic plan's.
+            # For the claim it went on planning every call once its statistics saw many
+            # queued runs, and planning cost more than running. The generic plans run no
+            # slower (docs/PERFORMANCE.md). Django's
             # queries are never prepared (nothing changes for them); the foreign-key
             # checks' cached plans are key lookups, generic either way.
             options["options"] += " -c plan_cache_mode=force_generic_plan"

@@ -128,8 +128,7 @@ def prepared(raw: Any, sql: str, params: Sequence[Any] = ()) -> Any:
     PostgreSQL would otherwise plan some statements again for every run's values) — and
     return its cursor (in a pipeline, its rows arrive with the pipeline's results). For
     the hot path's own statements: the claim's, the admission's, the group commit's and
-    the API token lookup, which cost more to plan than to run (the claim's about 1.3 ms
-    against 0.3 ms; the token lookup's join 0.25 ms of the server's CPU against 0.13).
+    the API token lookup, which cost more to plan than to run.
     Parameters are bound on the server, so each must have a type PostgreSQL can use (a
     cast where ``None`` or an empty list can appear). With prepared statements off
     (``prepared=0`` in ``DATABASE_URL``: psycopg's ``prepare_threshold`` is None) it is an
@@ -158,9 +157,8 @@ def pipelined(raw: Any) -> Any:
     psycopg's own pipeline sends each statement as it is issued (two polls and a write
     each); the held pipeline keeps them until the block ends, so the database is woken
     once per transaction rather than once per statement, and its end sends no flush
-    request after the sync: a pipelined admission went from about twenty system calls to
-    three, and its CPU (measured back to back on PostgreSQL) from 0.63 to 0.48 ms here and
-    0.45 to 0.38 ms in the database.
+    request after the sync. A pipelined admission makes three system calls instead of
+    about twenty (docs/PERFORMANCE.md).
 
     The holding overrides psycopg's private pipeline methods. No public API holds the
     writes: psycopg's pipeline and ``executemany`` write each statement as it is queued,

@@ -36,8 +36,8 @@ class Command(BaseCommand):
         async def main() -> None:
             worker = Worker(executor=RunExecutor(), max_concurrent=options["max_concurrent"])
             # What start-up made lives as long as the process: out of the collector's sight,
-            # a full collection no longer walks it (about 130 ms with Django and the model
-            # SDKs loaded — a pause of every run's stream and of the next claim).
+            # a full collection no longer walks it. Such a walk pauses every run's stream
+            # and the next claim (docs/PERFORMANCE.md).
             gc.freeze()
             install_signal_handlers(worker)
             logging.getLogger("sage.worker").info(
