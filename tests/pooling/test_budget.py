@@ -443,7 +443,7 @@ async def test_it_returns_the_slot_when_the_consumer_drops_the_stream() -> None:
     assert await anext(stream) == "a"
     del stream
     gc.collect()  # the loop's async-generator hook closes a dropped stream
-    await until(lambda: budget.active == 0)
+    await turns_until(lambda: budget.active == 0)
     assert provider.closed_streams == 1
 
 
@@ -461,7 +461,7 @@ async def test_it_returns_the_slot_when_the_streaming_task_is_cancelled() -> Non
 
     task = asyncio.create_task(consume())
     await started.wait()
-    await until(lambda: budget.active == 1)
+    await turns_until(lambda: budget.active == 1)
     await cancel(task)
     assert budget.snapshot()["active"] == 0
     assert provider.closed_streams == 1
