@@ -10,7 +10,9 @@ themselves.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -257,6 +259,7 @@ CHECK_JOBS_REDIS_URL = "sageproject.E053"
 CHECK_LOG_FORMAT = "sageproject.E060"
 CHECK_METRICS_TOKEN = "sageproject.E070"
 CHECK_METRICS_DIR = "sageproject.E071"
+CHECK_MCP_ALLOWED_HOSTS = "sageproject.E080"
 CHECK_LANGGRAPH_CORS_ORIGINS = "sageproject.E091"
 # The rules between two integers, shown on the first one's row of docs/SETTINGS.md.
 CROSS_RULES: dict[str, tuple[str, str]] = {
@@ -340,6 +343,16 @@ DESCRIBED: tuple[Described, ...] = (
         check_ids=(CHECK_LANGGRAPH_CORS_ORIGINS,),
         meaning="origins whose browser pages may call `/lg/` (agent-chat-ui on another "
         "origin); preflights answered, `Content-Location`/`Location` exposed",
+    ),
+    Described(
+        name="SAGE_MCP_ALLOWED_HOSTS",
+        default="unset",
+        rule="host names or IP addresses, each with an optional `:port` (`[::1]:8080` for "
+        "IPv6), comma-separated",
+        check_ids=(CHECK_MCP_ALLOWED_HOSTS,),
+        meaning="the hosts a remote MCP server's URL may reach over plain `http` or at a "
+        "loopback, link-local or private address (`sageproject.outbound`); a host without a "
+        "port is allowed on every port; unset: `https` to public addresses only",
     ),
     Described(
         name="SAGE_LOCAL_DIR",
@@ -435,6 +448,8 @@ LOG_FORMATS = ("plain", "json")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+# A DNS name: dot-separated labels of letters, digits and inner hyphens (IDNA's ``xn--``).
+_HOST_NAME = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)(\.(?!-)[a-z0-9-]{1,63}(?<!-))*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -597,6 +612,9 @@ def load(environ: Mapping[str, str] | None = None, *, base_dir: str = ".") -> Co
     config.values["SAGE_LOG_FORMAT"] = _log_format(env, config)
     _read_metrics(env, config)
     config.values["SAGE_LANGGRAPH_CORS_ORIGINS"] = _cors_origins(env, config)
+    config.values["SAGE_MCP_ALLOWED_HOSTS"] = _host_list(
+        env, config, "SAGE_MCP_ALLOWED_HOSTS", CHECK_MCP_ALLOWED_HOSTS
+    )
     # The host's own files: the generated secret key, the local sockets of wake-ups and
     # live deltas (a host's web and worker processes must share it), metrics files.
     local = env.get("SAGE_LOCAL_DIR", "").strip() or ".local"
@@ -762,6 +780,58 @@ def _cors_origins(env: Mapping[str, str], config: Config) -> tuple[str, ...]:
             )
             return ()
     return origins
+
+
+def parse_host(entry: str) -> tuple[str, int | None]:
+    """One entry of an allowed-hosts setting: ``host``, ``host:port`` or ``[v6]:port``.
+
+    Returns the host in canonical form (lower case, no trailing dot, an IP address as
+    ``ipaddress`` writes it) and the port, or None for every port. Raises ``ValueError``
+    with a one-line reason.
+    """
+    text = entry.strip().lower()
+    if any(c in text for c in "/@?#"):
+        raise ValueError(f"{entry!r} is not a host (write no scheme, user or path)")
+    host, port = text, None
+    if text.startswith("["):
+        host, bracket, rest = text[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            raise ValueError(f"{entry!r} is not a host")
+        port = rest[1:] if rest else None
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        host = host.rstrip(".")
+        if not _HOST_NAME.fullmatch(host):
+            raise ValueError(f"{entry!r} is not a host name or an IP address") from None
+    else:
+        host = str(address)
+    if port is None:
+        return host, None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{entry!r} has no valid port")
+    return host, int(port)
+
+
+def _host_list(env: Mapping[str, str], config: Config, name: str, check_id: str) -> tuple[str, ...]:
+    """An allowed-hosts setting (``SAGE_MCP_ALLOWED_HOSTS``): comma-separated entries for
+    ``parse_host``, empty when unset. One bad entry empties the list: a typo must not
+    leave a half-list that the operator believes whole."""
+    raw = env.get(name, "")
+    entries = [e.strip() for e in raw.split(",") if e.strip()]
+    for entry in entries:
+        try:
+            parse_host(entry)
+        except ValueError as exc:
+            config.report(
+                check_id,
+                f"{name} must list host names or IP addresses, each with an optional :port, "
+                f"comma-separated ({exc})",
+            )
+            return ()
+    return tuple(entries)
 
 
 def _module_names(

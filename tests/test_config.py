@@ -285,3 +285,19 @@ def test_the_held_pipeline_is_on_unless_turned_off():
             "SAGE_PG_HELD_PIPELINE must be 1/0, true/false, yes/no or on/off (got 'maybe')",
         )
     ]
+
+
+def test_it_reads_the_mcp_allowed_hosts():
+    loaded = config.load({"SAGE_MCP_ALLOWED_HOSTS": " 127.0.0.1, mcp.internal:8080,[::1]:9000 "})
+    assert loaded.errors == []
+    assert loaded["SAGE_MCP_ALLOWED_HOSTS"] == ("127.0.0.1", "mcp.internal:8080", "[::1]:9000")
+    assert config.load({})["SAGE_MCP_ALLOWED_HOSTS"] == ()
+
+
+@pytest.mark.parametrize("value", ["http://mcp.internal", "mcp.internal:0", "bad host", "[::1"])
+def test_it_rejects_an_allowed_host_that_is_not_a_host(value):
+    loaded = config.load({"SAGE_MCP_ALLOWED_HOSTS": f"127.0.0.1,{value}"})
+    assert [p.check_id for p in loaded.errors] == ["sageproject.E080"]
+    assert messages(loaded)[0].startswith("SAGE_MCP_ALLOWED_HOSTS must list host names")
+    # A half-read list could allow less (or more) than the operator believes: none.
+    assert loaded["SAGE_MCP_ALLOWED_HOSTS"] == ()
