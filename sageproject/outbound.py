@@ -110,7 +110,10 @@ class OutboundPolicy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allowed_hosts", frozenset(self.allowed_hosts))
-        allowed = frozenset(parse_host(entry) for entry in self.allowed_hosts)
+        # Canonical as hosts are compared: 127.1 and 127.0.0.1 are one address.
+        allowed = frozenset(
+            (_canonical(host), port) for host, port in map(parse_host, self.allowed_hosts)
+        )
         object.__setattr__(self, "_allowed", allowed)
 
     def allows(self, host: str, port: int) -> bool:

@@ -8,11 +8,14 @@ of the official SDK (``tests.mcp_servers``).
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import socket
+import ssl
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpcore2
@@ -431,3 +434,88 @@ def test_the_mcp_policy_comes_from_its_setting():
     assert mcp.allows("127.0.0.1", 1) and mcp.allows("MCP.internal.", 8080)
     assert not mcp.allows("mcp.internal", 80)
     assert mcp.read_timeout == 5
+
+
+# --- TLS to a pinned address ----------------------------------------------------------
+
+
+def certificate_files(tmp_path: Path, name: str) -> tuple[Path, Path, Path]:
+    """A CA, and a certificate for ``name`` it signed: (ca, cert, key) PEM files."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def build(subject: str, key, issuer: str, issuer_key, *, ca: bool) -> x509.Certificate:
+        now = datetime.datetime.now(datetime.UTC)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if ca:
+            builder = builder.add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            ).add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
+            )
+        else:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName(subject)]), critical=False
+            ).add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
+                critical=False,
+            )
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = build("test CA", ca_key, "test CA", ca_key, ca=True)
+    cert = build(name, key, "test CA", ca_key, ca=False)
+    paths = tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return paths
+
+
+async def test_tls_checks_the_host_name_on_the_pinned_address(tmp_path):
+    ca, cert, key = certificate_files(tmp_path, "mcp.example.test")
+    httpd = Server()
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(cert, key)
+    httpd.socket = served.wrap_socket(httpd.socket, server_side=True)
+    try:
+        port = httpd.server_address[1]
+        names = {"mcp.example.test": ["127.0.0.1"], "other.example.test": ["127.0.0.1"]}
+        pol = policy("mcp.example.test", "other.example.test")
+        trusted = ssl.create_default_context(cafile=str(ca))
+        async with async_client(pol, resolver=resolving(names), verify=trusted) as http:
+            response = await http.get(f"https://mcp.example.test:{port}/ok")
+            assert response.text == "hello"
+            # The same address under another name: its certificate does not match.
+            with pytest.raises(httpx2.ConnectError, match="certificate verify failed"):
+                await http.get(f"https://other.example.test:{port}/ok")
+    finally:
+        httpd.close()
