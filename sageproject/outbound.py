@@ -243,7 +243,8 @@ def check_url(url: str | httpx2.URL, policy: OutboundPolicy) -> httpx2.URL:
         parsed = httpx2.URL(url)
     except httpx2.InvalidURL as exc:
         raise UrlRefused(f"not a URL: {exc}") from None
-    scheme, host = parsed.scheme, parsed.host
+    # The ASCII form (IDNA) is the one connections and the allowed list use.
+    scheme, host = parsed.scheme, parsed.raw_host.decode("ascii")
     if scheme not in _DEFAULT_PORTS:
         raise UrlRefused(
             f"only https URLs are allowed (got {scheme or 'no'} scheme)", scheme=scheme

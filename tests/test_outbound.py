@@ -519,3 +519,7 @@ async def test_tls_checks_the_host_name_on_the_pinned_address(tmp_path):
                 await http.get(f"https://other.example.test:{port}/ok")
     finally:
         httpd.close()
+
+
+def test_an_allowed_international_name_is_written_in_its_ascii_form():
+    assert check_url("http://bücher.example/mcp", policy("xn--bcher-kva.example"))
