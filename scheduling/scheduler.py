@@ -1,6 +1,6 @@
 """Run scheduling, the public names in one place (Django-free).
 
-The values, errors, ordering rule, protocol and quota group live in `scheduling.leases`;
+The values, errors, ordering rule, protocol and quota group live in `scheduling.protocol`;
 `InMemoryScheduler` in `scheduling.memory`; `DatabaseScheduler` (``Run`` rows, safe across
 processes, needs Django) in `scheduling.worker`, re-exported here lazily so importing
 this module never imports Django.
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduling.leases import (
+from scheduling.memory import InMemoryScheduler, RunPins
+from scheduling.protocol import (
     ClaimCandidate,
     ClaimOrder,
     FenceRejected,
@@ -31,7 +32,6 @@ from scheduling.leases import (
     work_id_conflict_error,
     worker_shutdown_error,
 )
-from scheduling.memory import InMemoryScheduler, RunPins
 
 __all__ = [  # noqa: F822 (DatabaseScheduler is provided lazily by __getattr__)
     "ClaimCandidate",

@@ -36,7 +36,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from sageproject.db import database_url
-from scheduling.children import ROOT, Child
+from scheduling.subprocesses import ROOT, Subprocess
 
 # Worker settings for tests: a renewal every second and leases long enough that a loaded
 # machine (a worker's event loop stalled for seconds, e.g. importing a vendor SDK) does not
@@ -71,7 +71,7 @@ def worker_env(overrides: Mapping[str, str | None] | None = None) -> dict[str, s
     return env
 
 
-class WorkerProcess(Child):
+class WorkerProcess(Subprocess):
     """One ``manage.py runworker`` subprocess (``args`` added to its command line) with
     `worker_env` and the ``env`` overrides; its output goes to ``worker-<name>.log``."""
 

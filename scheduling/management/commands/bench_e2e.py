@@ -161,7 +161,7 @@ from django.test.utils import override_settings
 
 from sageproject.db import database_url as _database_url
 from sageproject.progress import note
-from scheduling.children import Child
+from scheduling.subprocesses import Subprocess
 
 ROOT = Path(settings.BASE_DIR)
 PEERS = ("procrastinate", "celery", "django-tasks-db")
@@ -331,9 +331,9 @@ def write_back() -> None:
 # ----------------------------------------------------------------------------- processes
 
 
-def start_child(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Child:
-    """Start ``argv`` as `Child` ``name``, its output in ``<log_dir>/<name>.log``."""
-    return Child(name, argv, env, log_dir / f"{name}.log")
+def start_child(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Subprocess:
+    """Start ``argv`` as `Subprocess` ``name``, its output in ``<log_dir>/<name>.log``."""
+    return Subprocess(name, argv, env, log_dir / f"{name}.log")
 
 
 def cpu_by_process(processes: list[Any]) -> dict[int, float]:
@@ -378,7 +378,7 @@ def cpu_spent(before: dict[int, float], after: dict[int, float]) -> float:
     return sum(used - before.get(pid, 0.0) for pid, used in after.items())
 
 
-def check_running(child: Child) -> None:
+def check_running(child: Subprocess) -> None:
     """Raise `CommandError`, with the end of its log, once ``child`` has exited."""
     if not child.alive:
         raise CommandError(
@@ -406,7 +406,7 @@ def child_env(db_url: str, concurrency: int, **extra: str) -> dict[str, str]:
 
 
 def wait_until(
-    what: str, ready: Callable[[], bool], timeout: float, children: list[Child] = ()
+    what: str, ready: Callable[[], bool], timeout: float, children: list[Subprocess] = ()
 ) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
@@ -588,7 +588,7 @@ class HostTarget(Target):
 
     name = "sage"
 
-    def __init__(self, owners: list[tuple[Any, Any]], children: list[Child]) -> None:
+    def __init__(self, owners: list[tuple[Any, Any]], children: list[Subprocess]) -> None:
         self.owners = owners  # (user, package)
         self.user_ids = [user.pk for user, _ in owners]
         self.children = children  # checked while waiting: a dead worker fails the wait
@@ -695,9 +695,9 @@ def ensure_scripted_record() -> Any:
 
 async def claim_path(owners: list[Any], sizes: list[int], repeat: int) -> dict[str, Any]:
     from sageproject.db import db_call
-    from scheduling.leases import LeaseReleaseReason
     from scheduling.management.commands.bench_persist import queue_runs
     from scheduling.models import Session
+    from scheduling.protocol import LeaseReleaseReason
     from scheduling.worker import DatabaseScheduler
 
     def seed(size: int) -> None:
@@ -955,7 +955,7 @@ class RedisStartsTarget(Target):
     """A peer whose task records its start in a Redis hash (``benchpeers.recorder``), run
     by the worker processes its ``setup`` starts (``children``, logging to ``log_dir``)."""
 
-    children: list[Child]
+    children: list[Subprocess]
 
     def __init__(self, options: dict[str, Any], log_dir: Path) -> None:
         import redis
@@ -1545,8 +1545,8 @@ class Command(BaseCommand):
         options: dict[str, Any],
         host: HostTarget,
         owners: list[tuple[Any, Any]],
-        web: tuple[str, Child],
-        worker: Child,
+        web: tuple[str, Subprocess],
+        worker: Subprocess,
         common: dict[str, Any],
     ) -> None:
         from rest_framework.authtoken.models import Token
@@ -1587,7 +1587,7 @@ class Command(BaseCommand):
         owners: list[tuple[Any, Any]],
         tokens: list[str],
         base: str,
-        children: list[Child],
+        children: list[Subprocess],
         paused: bool,
     ) -> dict[str, Any]:
         """One ``http_admission`` window into fresh sessions, the worker paused (SIGSTOP,
@@ -1706,7 +1706,7 @@ class Command(BaseCommand):
         env: dict[str, str],
         logs: Path,
         stack: contextlib.ExitStack,
-    ) -> tuple[str, Child]:
+    ) -> tuple[str, Subprocess]:
         import urllib.request
 
         port = free_port()
@@ -1738,14 +1738,14 @@ class Command(BaseCommand):
         wait_until("the web server", up, 60, [server])
         return base, server
 
-    def _worker_up(self, worker: Child) -> bool:
+    def _worker_up(self, worker: Subprocess) -> bool:
         from scheduling.models import WorkerSnapshot
 
         return WorkerSnapshot.objects.filter(
             pid=worker.pid, host=socket.gethostname(), stopped_at__isnull=True
         ).exists()
 
-    def _stop_worker(self, worker: Child) -> None:
+    def _stop_worker(self, worker: Subprocess) -> None:
         from scheduling.models import WorkerSnapshot
 
         worker.stop()
