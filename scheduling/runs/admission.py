@@ -300,3 +300,10 @@ def _admit_pipelined(
     if ready and not notify:
         wakeups.notify("run", using=using)
     return run
+
+
+def restore(fields: dict[str, Any], *, using: str = DEFAULT_DB_ALIAS) -> Run:
+    """Insert a run from a session export (``import_session``) with the status it was
+    exported with. Its pending places are not taken: the worker's periodic recount
+    (`pending.reconcile`) counts imported queued runs."""
+    return Run.objects.using(using).create(**fields)
