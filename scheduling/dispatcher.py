@@ -548,9 +548,9 @@ class Dispatcher:
                 execution.task.cancel()
         await asyncio.gather(*supervisors, return_exceptions=True)
 
-    # ----------------------------------------------------------------- figures
+    # ----------------------------------------------------------------- counts
 
-    def local_figures(self) -> dict[str, Any]:
+    def local_counts(self) -> dict[str, Any]:
         """This process's executions per user and per queue."""
         per_user: dict[str, int] = {}
         per_queue: dict[str, int] = {}

@@ -247,7 +247,7 @@ class Worker:
         snapshot); ``local`` counts this worker's executions.
         """
         dispatcher = self.dispatcher
-        local = dispatcher.local_figures()
+        local = dispatcher.local_counts()
         per_user = {k: dict(v) for k, v in self._queue_counts["per_user"].items()}
         per_queue = {k: dict(v) for k, v in self._queue_counts["per_queue"].items()}
         for bucket, counts in ((per_user, local["per_user"]), (per_queue, local["per_queue"])):
