@@ -53,6 +53,7 @@ from scheduling.runs.admission import (
     admit,
     check_credential,
     is_deadlock,
+    restore,
     session_busy_error,
 )
 from scheduling.runs.archive import Archiver, ArchiveRecord, ArchiveStatement, archive, set_archiver
@@ -145,6 +146,7 @@ __all__ = [
     "remove_run_events",
     "renew",
     "requeue",
+    "restore",
     "resume",
     "session_busy_error",
     "set_archiver",
