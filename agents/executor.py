@@ -69,8 +69,8 @@ from sageproject.db import db_call, retry_transient
 from sageproject.errors import ErrorCategory, NotFoundError, SageError
 from scheduling import live, runs
 from scheduling.figures import FIRST_TOKEN, MODEL_TOKENS, Figures
-from scheduling.leases import FenceRejected
 from scheduling.models import Run, RunStatus, run_cancelled_error, run_interrupted_error
+from scheduling.protocol import FenceRejected
 from scheduling.runs import Fence, Outcome, Start
 from scheduling.store import append_events, get_default_coordinator
 from scheduling.worker import StopSignal

@@ -250,14 +250,9 @@ def check_workers(now: datetime) -> Check:
 
 def check_queue(now: datetime) -> Check:
     """The oldest queued run a worker could claim (its session's turn) and its wait."""
-    from scheduling.models import Run, RunStatus
+    from scheduling.runs.selectors import queued_in_turn
 
-    oldest = (
-        Run.objects.filter(status=RunStatus.QUEUED, ready=True)
-        .order_by("created_at")
-        .values_list("pk", "created_at")
-        .first()
-    )
+    oldest = queued_in_turn().order_by("created_at").values_list("pk", "created_at").first()
     if oldest is None:
         return Check("queue", OK, "no queued runs")
     run_id, created_at = oldest
@@ -279,11 +274,9 @@ def check_queue(now: datetime) -> Check:
 def check_stuck_runs(now: datetime) -> Check:
     """Runs still ``running`` whose lease expired more than `STUCK_AFTER` ago: no worker
     is claiming (a claim reaps dead leases), so nothing ends or requeues them."""
-    from scheduling.models import Run, RunStatus
+    from scheduling.runs.selectors import running_past_lease
 
-    stuck = Run.objects.filter(
-        status=RunStatus.RUNNING, lease_expires_at__lt=now - STUCK_AFTER
-    ).order_by("lease_expires_at")
+    stuck = running_past_lease(now - STUCK_AFTER).order_by("lease_expires_at")
     count = stuck.count()
     if not count:
         return Check("stuck_runs", OK, "no run is past its lease")

@@ -21,7 +21,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from scheduling.leases import (
+from scheduling.protocol import (
     ClaimCandidate,
     LeaseReleaseReason,
     SchedulerBase,

@@ -19,10 +19,10 @@ transition into or out of the queue:
 - each user has one row (``user.<id>``), taken the same way: a user's admissions wait for
   each other, never for other users'.
 
-Leaving the queue (claim, cancel) gives the places back; coming back to it (requeue after a
-lost worker, a resumed suspension) takes them again without a cap — those runs were
-admitted already. Rows are always locked host stripe first, then user: the one order every
-transaction follows, so counters never deadlock.
+Leaving the queue (claim, cancel) releases the places (`release`); coming back to it
+(requeue after a lost worker, a resumed suspension) takes them again without a cap
+(`retake`) — those runs were admitted already. Rows are always locked host stripe first,
+then user: the one order every transaction follows, so counters never deadlock.
 
 Rows of queued runs can also disappear without a transition (a session deleted with its
 runs, an import): `reconcile` recounts from the runs themselves under the counters' locks;
@@ -40,7 +40,7 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.models import Count
 
-from scheduling.models import PendingCount, Run, RunStatus
+from scheduling.models import PendingCount
 
 # Rows the host's count is split over: admissions of different stripes never wait for
 # each other. More stripes, less waiting, and a slower `reconcile`.
@@ -204,13 +204,15 @@ def roomiest(owner_id: Any, *, using: str = DEFAULT_DB_ALIAS) -> int:
     return slot
 
 
-def give_back(runs: Iterable[tuple[Any, int]], *, using: str = DEFAULT_DB_ALIAS) -> None:
-    """Runs that left the queue: ``(owner_id, admission_slot)`` of each root run."""
+def release(runs: Iterable[tuple[Any, int]], *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Runs that left the queue release their places (each count - 1):
+    ``(owner_id, admission_slot)`` of each root run."""
     _add(runs, -1, using)
 
 
-def put_back(runs: Iterable[tuple[Any, int]], *, using: str = DEFAULT_DB_ALIAS) -> None:
-    """Runs that came back to the queue (admitted before): their places again, no cap."""
+def retake(runs: Iterable[tuple[Any, int]], *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Runs that came back to the queue (admitted before) take their places again (each
+    count + 1, no cap)."""
     _add(runs, 1, using)
 
 
@@ -238,8 +240,8 @@ def _add(runs: Iterable[tuple[Any, int]], sign: int, using: str) -> None:
             )
 
 
-def give_back_ctes(quote: Any, source: str) -> str:
-    """`give_back` as two common table expressions of a claim's statement (PostgreSQL):
+def release_ctes(quote: Any, source: str) -> str:
+    """`release` as two common table expressions of a claim's statement (PostgreSQL):
     the places of the root runs the CTE ``source`` returns (its columns ``owner_id``,
     ``admission_slot`` and ``parent_id``), host stripes first, then users (the users' update
     waits for the stripes' by reading it)."""
@@ -279,7 +281,9 @@ def reconcile(*, using: str = DEFAULT_DB_ALIAS) -> int:
         if connections[using].features.has_select_for_update:
             rows = rows.select_for_update()
         held = dict(rows.values_list("scope", "pending"))
-        queued = Run.objects.using(using).filter(status=RunStatus.QUEUED, parent__isnull=True)
+        from scheduling.runs.selectors import queued_roots
+
+        queued = queued_roots(using=using)
         truth: dict[str, int] = {scope: 0 for scope in held}
         for slot, n in queued.values_list("admission_slot").annotate(n=Count("pk")).order_by():
             truth[host_scope(slot)] = truth.get(host_scope(slot), 0) + n

@@ -32,7 +32,7 @@ def slot_of(moment: datetime) -> int:
 
 def record(figures: dict[str, Any], *, now: datetime | None = None) -> bool:
     """Write the sample of the current period from a worker's queue figures
-    (``scheduling.worker.queue_figures``: ``{"per_queue": {queue: {"active", "pending"}}}``)
+    (``scheduling.worker.queue_counts``: ``{"per_queue": {queue: {"active", "pending"}}}``)
     unless a worker already did; True when this call wrote it (and pruned the history).
     ``now`` replaces the database's clock (tests)."""
     now = now or db_now()

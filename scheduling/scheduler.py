@@ -1,16 +1,17 @@
 """Run scheduling, the public names in one place (Django-free).
 
-The values, errors, ordering rule, protocol and quota group live in `scheduling.leases`;
+The values, errors, ordering rule, protocol and quota group live in `scheduling.protocol`;
 `InMemoryScheduler` in `scheduling.memory`; `DatabaseScheduler` (``Run`` rows, safe across
-processes, needs Django) in `scheduling.worker`, re-exported here lazily so importing
-this module never imports Django.
+processes, needs Django) in `scheduling.db_scheduler`, re-exported here lazily so
+importing this module never imports Django.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from scheduling.leases import (
+from scheduling.memory import InMemoryScheduler, RunPins
+from scheduling.protocol import (
     ClaimCandidate,
     ClaimOrder,
     FenceRejected,
@@ -31,7 +32,6 @@ from scheduling.leases import (
     work_id_conflict_error,
     worker_shutdown_error,
 )
-from scheduling.memory import InMemoryScheduler, RunPins
 
 __all__ = [  # noqa: F822 (DatabaseScheduler is provided lazily by __getattr__)
     "ClaimCandidate",
@@ -62,7 +62,7 @@ __all__ = [  # noqa: F822 (DatabaseScheduler is provided lazily by __getattr__)
 def __getattr__(name: str) -> Any:
     # `DatabaseScheduler` needs Django; importing it lazily keeps this module Django-free.
     if name == "DatabaseScheduler":
-        from scheduling.worker import DatabaseScheduler
+        from scheduling.db_scheduler import DatabaseScheduler
 
         return DatabaseScheduler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -373,6 +373,9 @@ def import_session_lines(
     (``store.session_exists``) when the session is already there, and ``NotFoundError``
     (``store.owner_not_found``) for an unknown owner without ``create_owner``.
     """
+    # Here, not at the top: the state machine imports this module's encoding.
+    from scheduling import runs
+
     iterator = iter(lines)
     try:
         header = orjson.loads(next(iterator))
@@ -433,22 +436,25 @@ def import_session_lines(
                     raise _bad(f"line {number}: run of a session outside the export")
                 if Run.objects.using(using).filter(pk=line["id"]).exists():
                     continue
-                Run.objects.using(using).create(
-                    id=line["id"],
-                    session_id=line["session"],
-                    owner_id=session_owner[line["session"]],
-                    queue=line["queue"],
-                    priority=line["priority"],
-                    status=line["status"],
-                    input=line["input"],
-                    result=line["result"],
-                    error=line["error"],
-                    interaction=line["interaction"],
-                    cancel_requested=line["cancel_requested"],
-                    attempts=line["attempts"],
-                    created_at=parse_datetime(line["created_at"]),
-                    started_at=parse_datetime(line["started_at"]),
-                    finished_at=parse_datetime(line["finished_at"]),
+                runs.restore(
+                    dict(
+                        id=line["id"],
+                        session_id=line["session"],
+                        owner_id=session_owner[line["session"]],
+                        queue=line["queue"],
+                        priority=line["priority"],
+                        status=line["status"],
+                        input=line["input"],
+                        result=line["result"],
+                        error=line["error"],
+                        interaction=line["interaction"],
+                        cancel_requested=line["cancel_requested"],
+                        attempts=line["attempts"],
+                        created_at=parse_datetime(line["created_at"]),
+                        started_at=parse_datetime(line["started_at"]),
+                        finished_at=parse_datetime(line["finished_at"]),
+                    ),
+                    using=using,
                 )
                 if line["parent"] is not None:
                     parents.append((line["id"], line["parent"]))

@@ -12,7 +12,16 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "SETTINGS.md"
 # Where the host's own code and tooling live (tests are searched too: a SAGE_* name read
 # only by the tests must be listed below).
-SOURCES = ("sageproject", "scheduling", "agents", "pooling", "benchpeers", "tests", ".ci")
+SOURCES = (
+    "sageproject",
+    "sagehost",
+    "scheduling",
+    "agents",
+    "pooling",
+    "benchmarks",
+    "tests",
+    ".ci",
+)
 SOURCE_FILES = ("manage.py", "Makefile")
 
 # SAGE_* names that are not the host's settings, each with why.

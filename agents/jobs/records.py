@@ -123,7 +123,7 @@ async def append_job_event(
     running (a job that outlived its run). A worker that lost the run's lease writes
     nothing (logged); returns whether the event was appended."""
     from scheduling import runs
-    from scheduling.leases import FenceRejected
+    from scheduling.protocol import FenceRejected
     from scheduling.store import append_events
     from scheduling.worker import current_fence
 

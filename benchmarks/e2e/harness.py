@@ -21,7 +21,7 @@ from django.db import DatabaseError, connections
 
 from sageproject.db import database_url as _database_url
 from sageproject.progress import note
-from scheduling.children import Child  # the other modules take `Child` from here
+from scheduling.subprocesses import Subprocess  # the other modules take `Subprocess` from here
 
 ROOT = Path(settings.BASE_DIR)
 # Pending limits high enough that the benchmark's floods are never refused.
@@ -159,12 +159,12 @@ def write_back() -> None:
 # ----------------------------------------------------------------------------- processes
 
 
-def start_child(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Child:
-    """Start ``argv`` as `Child` ``name``, its output in ``<log_dir>/<name>.log``."""
-    return Child(name, argv, env, log_dir / f"{name}.log")
+def start_child(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Subprocess:
+    """Start ``argv`` as `Subprocess` ``name``, its output in ``<log_dir>/<name>.log``."""
+    return Subprocess(name, argv, env, log_dir / f"{name}.log")
 
 
-def check_running(child: Child) -> None:
+def check_running(child: Subprocess) -> None:
     """Raise `CommandError`, with the end of its log, once ``child`` has exited."""
     if not child.alive:
         raise CommandError(
@@ -192,7 +192,7 @@ def child_env(db_url: str, concurrency: int, **extra: str) -> dict[str, str]:
 
 
 def wait_until(
-    what: str, ready: Callable[[], bool], timeout: float, children: list[Child] = ()
+    what: str, ready: Callable[[], bool], timeout: float, children: list[Subprocess] = ()
 ) -> None:
     deadline = time.monotonic() + timeout
     while not ready():

@@ -15,7 +15,7 @@ from typing import Any
 from django.core.management.base import CommandError
 from django.db import connections
 
-from benchmarks.e2e.harness import Child, pct_ms, progress, targets, tidy_tables, wait_until
+from benchmarks.e2e.harness import Subprocess, pct_ms, progress, targets, tidy_tables, wait_until
 from benchmarks.e2e.method import Batch, Target
 
 LEASE = timedelta(seconds=30)
@@ -30,7 +30,7 @@ class HostTarget(Target):
 
     name = "sage"
 
-    def __init__(self, owners: list[tuple[Any, Any]], children: list[Child]) -> None:
+    def __init__(self, owners: list[tuple[Any, Any]], children: list[Subprocess]) -> None:
         self.owners = owners  # (user, package)
         self.user_ids = [user.pk for user, _ in owners]
         self.children = children  # checked while waiting: a dead worker fails the wait
@@ -138,8 +138,8 @@ def ensure_scripted_record() -> Any:
 async def claim_path(owners: list[Any], sizes: list[int], repeat: int) -> dict[str, Any]:
     from benchmarks.shared import queue_runs
     from sageproject.db import db_call
-    from scheduling.leases import LeaseReleaseReason
     from scheduling.models import Session
+    from scheduling.protocol import LeaseReleaseReason
     from scheduling.worker import DatabaseScheduler
 
     def seed(size: int) -> None:

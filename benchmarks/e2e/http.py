@@ -25,7 +25,7 @@ from django.db import connections
 
 from benchmarks.e2e.harness import (
     ROOT,
-    Child,
+    Subprocess,
     check_running,
     child_env,
     database_url,
@@ -241,8 +241,8 @@ def http_paths(
     options: dict[str, Any],
     host: HostTarget,
     owners: list[tuple[Any, Any]],
-    web: tuple[str, Child],
-    worker: Child,
+    web: tuple[str, Subprocess],
+    worker: Subprocess,
     common: dict[str, Any],
     *,
     emit: Callable[[dict[str, Any]], None],
@@ -288,7 +288,7 @@ def admission_window(
     owners: list[tuple[Any, Any]],
     tokens: list[str],
     base: str,
-    children: list[Child],
+    children: list[Subprocess],
     paused: bool,
 ) -> dict[str, Any]:
     """One ``http_admission`` window into fresh sessions, the worker paused (SIGSTOP,
@@ -363,7 +363,7 @@ def live_model(
     logs: Path,
     *,
     stack: contextlib.ExitStack,
-    children: list[Child],
+    children: list[Subprocess],
 ) -> HostTarget:
     """The ``bench-live`` model (benchmarks.peers.model_server) and a package whose agent uses
     it, for ``user``; both go with the user. Returns a target whose sessions use it."""
@@ -413,7 +413,7 @@ def start_web(
     env: dict[str, str],
     logs: Path,
     stack: contextlib.ExitStack,
-) -> tuple[str, Child]:
+) -> tuple[str, Subprocess]:
     import urllib.request
 
     port = free_port()

@@ -25,7 +25,7 @@ from django.db import connections
 
 from benchmarks.e2e.harness import (
     ROOT,
-    Child,
+    Subprocess,
     child_env,
     database_url,
     libpq_conninfo,
@@ -45,7 +45,7 @@ class RedisStartsTarget(Target):
     """A peer whose task records its start in a Redis hash (``benchmarks.peers.recorder``), run
     by the worker processes its ``setup`` starts (``children``, logging to ``log_dir``)."""
 
-    children: list[Child]
+    children: list[Subprocess]
 
     def __init__(self, options: dict[str, Any], log_dir: Path) -> None:
         import redis

@@ -17,7 +17,7 @@ from django.db import connections
 
 from benchmarks.e2e.harness import (
     ROOT,
-    Child,
+    Subprocess,
     child_env,
     database_url,
     host_line,
@@ -108,7 +108,7 @@ def host_paths(
         http_paths(options, host, owners, web, worker, common, emit=emit, stack=stack)
 
 
-def worker_up(worker: Child) -> bool:
+def worker_up(worker: Subprocess) -> bool:
     from scheduling.models import WorkerSnapshot
 
     return WorkerSnapshot.objects.filter(
@@ -116,7 +116,7 @@ def worker_up(worker: Child) -> bool:
     ).exists()
 
 
-def stop_worker(worker: Child) -> None:
+def stop_worker(worker: Subprocess) -> None:
     from scheduling.models import WorkerSnapshot
 
     worker.stop()

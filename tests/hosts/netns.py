@@ -14,8 +14,8 @@ a Redis of the test's own on the bridge's address.
   bridge: both ends stay up, every frame is dropped, nothing tells the host), `Host.restore`
   puts it back;
 - processes in hosts (``ip netns exec <host> …``): ``manage.py runworker`` (`Site.worker`) and
-  Celery job workers (`Site.celery`), each a `scheduling.children.Child` with its log in the
-  test's temporary directory.
+  Celery job workers (`Site.celery`), each a `scheduling.subprocesses.Subprocess` with its
+  log in the test's temporary directory.
 
 Creating namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and the ``ip`` tool;
 `require_namespaces` skips the test with the reason where they cannot be made, and fails it
@@ -42,7 +42,7 @@ from typing import Any
 
 import pytest
 
-from scheduling.children import ROOT, Child
+from scheduling.subprocesses import ROOT, Subprocess
 from tests.pgcluster import CI, PostgresCluster, free_port, require_cluster_support
 from tests.scheduling.test_database_outages import ClusterRows, wait_until
 
@@ -203,7 +203,7 @@ class Site:
     logs: Path
     rows: ClusterRows
     secret_key: str = field(default_factory=lambda: uuid.uuid4().hex * 2)
-    children: list[Child] = field(default_factory=list)
+    children: list[Subprocess] = field(default_factory=list)
     _admin: subprocess.Popen[str] | None = None
 
     @property
@@ -235,18 +235,20 @@ class Site:
                 env[name] = str(value)
         return env
 
-    def _start(self, name: str, host: Host | None, argv: list[str], env: dict[str, str]) -> Child:
+    def _start(
+        self, name: str, host: Host | None, argv: list[str], env: dict[str, str]
+    ) -> Subprocess:
         command = host.command(argv) if host is not None else argv
-        child = Child(name, command, env, self.logs / f"{name}.log")
+        child = Subprocess(name, command, env, self.logs / f"{name}.log")
         self.children.append(child)
         return child
 
-    def worker(self, host: Host, *args: str, **env: Any) -> Child:
+    def worker(self, host: Host, *args: str, **env: Any) -> Subprocess:
         """``manage.py runworker`` on ``host`` (environment overrides as keywords)."""
         argv = [sys.executable, "manage.py", "runworker", *args]
         return self._start(f"worker-{host.name}", host, argv, self.env(**env))
 
-    def celery(self, host: Host, **env: Any) -> Child:
+    def celery(self, host: Host, **env: Any) -> Subprocess:
         """A Celery job worker on ``host``, node ``<host name>@…``, queue ``sage-jobs``."""
         argv = [
             sys.executable, "-m", "celery", "-A", "sageproject.celery", "worker",
@@ -310,7 +312,7 @@ class Site:
         *,
         timeout: float,
         message: str | Callable[[], str],
-        running: tuple[Child, ...] = (),
+        running: tuple[Subprocess, ...] = (),
         interval: float = 0.2,
     ) -> Any:
         """`tests.scheduling.test_database_outages.wait_until` (``running`` are the processes
@@ -322,7 +324,7 @@ class Site:
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.describe()}") from None
 
-    def snapshot(self, child: Child) -> dict[str, Any] | None:
+    def snapshot(self, child: Subprocess) -> dict[str, Any] | None:
         """The capacity a worker process published last (its `WorkerSnapshot`), or None."""
         rows = self.rows.query(
             "SELECT capacity::text FROM scheduling_workersnapshot WHERE pid = %s "
@@ -331,7 +333,7 @@ class Site:
         )
         return json.loads(rows[0][0]) if rows else None
 
-    def worker_id(self, child: Child) -> str | None:
+    def worker_id(self, child: Subprocess) -> str | None:
         rows = self.rows.query(
             "SELECT worker_id FROM scheduling_workersnapshot WHERE pid = %s "
             "ORDER BY heartbeat_at DESC LIMIT 1",
@@ -339,7 +341,7 @@ class Site:
         )
         return rows[0][0] if rows else None
 
-    def stop(self, child: Child, grace: float = 20.0) -> int:
+    def stop(self, child: Subprocess, grace: float = 20.0) -> int:
         """SIGTERM ``child`` (SIGKILL after ``grace``); its exit status."""
         return child.stop(grace)
 
@@ -370,7 +372,7 @@ def site(tmp_path: Path, *, redis: bool = True) -> Iterator[Site]:
         redis_url = ""
         if redis:
             port = free_port()
-            redis_server = Child(
+            redis_server = Subprocess(
                 "redis",
                 [
                     "redis-server", "--port", str(port), "--bind", network.gateway,

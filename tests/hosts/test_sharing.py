@@ -24,6 +24,7 @@ from django.db import OperationalError
 from django.utils import timezone
 
 from sageproject.db import db_call
+from scheduling import dispatcher as dispatcher_module
 from scheduling import worker as worker_module
 from scheduling.models import Run, RunStatus, WorkerSnapshot
 from scheduling.runs import Fence, Outcome, db_now
@@ -259,7 +260,7 @@ async def test_a_worker_whose_clock_runs_ahead_keeps_a_lease_whose_renewal_faile
 ):
     # With the host's clock an hour ahead, comparing it with the database's lease expiry
     # would call the lease lost at the first failed renewal.
-    monkeypatch.setattr(worker_module, "timezone", SkewedClock(timedelta(hours=1)))
+    monkeypatch.setattr(dispatcher_module, "timezone", SkewedClock(timedelta(hours=1)))
     runs = await db_call(make_runs, 1, 1)
     scheduler = FlakyRenewals()
     executor = TimedExecutor(runs, hold=2.5)  # across two renewals

@@ -36,7 +36,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from sageproject.db import database_url
-from scheduling.children import ROOT, Child
+from scheduling.subprocesses import ROOT, Subprocess
 from tests.waiting import wait_until
 
 # Worker settings for tests: a renewal every second and leases long enough that a loaded
@@ -72,7 +72,7 @@ def worker_env(overrides: Mapping[str, str | None] | None = None) -> dict[str, s
     return env
 
 
-class WorkerProcess(Child):
+class WorkerProcess(Subprocess):
     """One ``manage.py runworker`` subprocess (``args`` added to its command line) with
     `worker_env` and the ``env`` overrides; its output goes to ``worker-<name>.log``."""
 

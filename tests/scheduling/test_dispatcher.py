@@ -339,7 +339,7 @@ def test_the_drivers_own_connection_errors_are_transient_everywhere():
     psycopg = pytest.importorskip("psycopg")
     from django.db import ProgrammingError
 
-    from scheduling.store import _translate
+    from scheduling.store_writer import _translate
 
     lost = psycopg.OperationalError("server closed the connection unexpectedly")
     for exc in (
@@ -397,10 +397,11 @@ async def test_an_idle_worker_claims_a_run_when_its_wake_up_arrives(db, monkeypa
     dispatcher through the worker."""
     from django.db import transaction
 
+    from scheduling import dispatcher as dispatcher_module
     from scheduling import wakeups
     from scheduling import worker as worker_module
 
-    monkeypatch.setattr(worker_module, "IDLE_START", 3600.0)
+    monkeypatch.setattr(dispatcher_module, "IDLE_START", 3600.0)
     monkeypatch.setattr(worker_module, "PUSH_IDLE_MAX", 3600.0)
     known: dict[str, str] = {}
     executor = BlockingExecutor(known)

@@ -569,7 +569,7 @@ async def test_a_stale_workers_job_event_is_rejected(alice, make_session):
     from asgiref.sync import sync_to_async
 
     from agents.jobs.records import append_job_event
-    from scheduling import worker
+    from scheduling import dispatcher as worker
 
     session = await sync_to_async(make_session)(alice)
     run = await sync_to_async(submit)(alice, session)

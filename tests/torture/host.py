@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from scheduling.children import Child
+from scheduling.subprocesses import Subprocess
 from tests.pgcluster import free_port
 from tests.scheduling.processes import worker_env
 from tests.waiting import WaitTimeout, wait_until
@@ -49,8 +49,8 @@ class LiveHost:
         self.env = worker_env({**HOST_ENV, **(env or {})})
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.web: Child | None = None
-        self.worker: Child | None = None
+        self.web: Subprocess | None = None
+        self.worker: Subprocess | None = None
         self.workers_started = 0
 
     # -- processes ---------------------------------------------------------------------------
@@ -58,7 +58,7 @@ class LiveHost:
     def start(self) -> LiveHost:
         argv = [sys.executable, "manage.py", "runweb", "--host", "127.0.0.1"]
         argv += ["--port", str(self.port), "--workers", "2", "--log-level", "info"]
-        self.web = Child("web", argv, self.env, self.log_dir / "web.log")
+        self.web = Subprocess("web", argv, self.env, self.log_dir / "web.log")
         self._wait("the web process", self._web_up, [self.web])
         self.ensure_worker()
         return self
@@ -69,7 +69,8 @@ class LiveHost:
             return
         self.workers_started += 1
         log = self.log_dir / f"worker-{self.workers_started}.log"
-        self.worker = Child("worker", [sys.executable, "manage.py", "runworker"], self.env, log)
+        argv = [sys.executable, "manage.py", "runworker"]
+        self.worker = Subprocess("worker", argv, self.env, log)
         self._wait("the worker", lambda: " started: up to " in self.worker.output(), [self.worker])
 
     def stop_worker(self) -> None:
@@ -95,7 +96,7 @@ class LiveHost:
         except httpx.HTTPError:
             return False
 
-    def _wait(self, what: str, ready: Callable[[], bool], children: list[Child]) -> None:
+    def _wait(self, what: str, ready: Callable[[], bool], children: list[Subprocess]) -> None:
         def exited() -> str | None:
             dead = [child.name for child in children if not child.alive]
             return f"{dead[0]} exited" if dead else None

@@ -64,7 +64,7 @@ from benchmarks.e2e.harness import (
 )
 from benchmarks.e2e.host import HostTarget
 from benchmarks.e2e.method import submit_all
-from scheduling.children import Child
+from scheduling.subprocesses import Subprocess
 
 SNAPSHOT_WAIT = 30.0
 
@@ -209,7 +209,7 @@ class Command(BaseCommand):
             SAGE_WORKER_CONCURRENT_RUNS=str(concurrency),
         )
         with contextlib.ExitStack() as stack:
-            workers: list[Child] = []
+            workers: list[Subprocess] = []
             stack.callback(self._stop_workers, workers)
             for index in range(count):
                 argv = [sys.executable, str(ROOT / "manage.py"), "runworker"]
@@ -266,18 +266,18 @@ class Command(BaseCommand):
         )
         return span["first"], span["last"]
 
-    def _snapshots(self, workers: list[Child]) -> Any:
+    def _snapshots(self, workers: list[Subprocess]) -> Any:
         from scheduling.models import WorkerSnapshot
 
         return WorkerSnapshot.objects.filter(
             pid__in=[w.pid for w in workers], host=socket.gethostname()
         )
 
-    def _up(self, workers: list[Child]) -> bool:
+    def _up(self, workers: list[Subprocess]) -> bool:
         return self._snapshots(workers).filter(stopped_at__isnull=True).count() == len(workers)
 
     def _completed(
-        self, workers: list[Child], *, at_least: int, stopped: bool = False
+        self, workers: list[Subprocess], *, at_least: int, stopped: bool = False
     ) -> dict[int, int]:
         """Each worker's completed runs as its snapshot says, once they add up to
         ``at_least`` (snapshots are published every few seconds; ``stopped``: the last)."""
@@ -295,7 +295,7 @@ class Command(BaseCommand):
         wait_until("the workers' snapshots to count their runs", counted, SNAPSHOT_WAIT)
         return dict(found)
 
-    def _stop_workers(self, workers: list[Child]) -> None:
+    def _stop_workers(self, workers: list[Subprocess]) -> None:
         for worker in workers:
             with contextlib.suppress(Exception):
                 worker.proc.send_signal(signal.SIGCONT)

@@ -1,4 +1,4 @@
-"""Scheduling values and rules shared by every backend (Django-free).
+"""The scheduler protocol: values, errors and rules shared by every backend (Django-free).
 
 The values (`WorkItem`, `WorkerLease`, the claim policy and capabilities), the error types
 (one per code: `LeaseExpired`, `FenceRejected`, ...), the one claim-ordering rule
@@ -6,7 +6,7 @@ The values (`WorkItem`, `WorkerLease`, the claim policy and capabilities), the e
 protocol, the quota group that members of one process share, and `SchedulerBase`: the
 bookkeeping both backends keep alike (limits, idempotency and terminal keys, leases) and
 their claim loop. Backends: `scheduling.memory.InMemoryScheduler` (one event loop) and
-`scheduling.worker.DatabaseScheduler` (``Run`` rows, across processes).
+`scheduling.db_scheduler.DatabaseScheduler` (``Run`` rows, across processes).
 """
 
 from __future__ import annotations
@@ -136,14 +136,16 @@ class SchedulerCapabilities:
 # --------------------------------------------------------------------------- errors
 
 
-def queue_full_error(max_pending: int) -> RateLimitedError:
-    """``scheduler.queue_full`` (RATE_LIMITED, retryable, resumable)."""
+def queue_full_error(limit: int, *, per_user: bool = False) -> RateLimitedError:
+    """``scheduler.queue_full`` (RATE_LIMITED, retryable, resumable): ``limit`` runs are
+    pending, the host's (or, ``per_user``, the user's) limit."""
+    whose = "you have" if per_user else "the host has"
     return RateLimitedError(
         "scheduler.queue_full",
-        "The scheduler queue is full; retry later.",
+        f"the queue is full: {whose} {limit} queued runs, the limit; try again shortly",
         retryable=True,
         resumable=True,
-        details={"max_pending": max_pending},
+        details={"max_pending_per_user" if per_user else "max_pending": limit, "retry_after": 2},
     )
 
 

@@ -1,7 +1,7 @@
-"""Child processes of the host's own tools: the end-to-end benchmark's web, worker and model
+"""Subprocesses of the host's own tools: the end-to-end benchmark's web, worker and model
 processes, the fault tests' workers and the torture checks' live host (Django-free).
 
-A `Child` runs in its own session, from the project's root, with its output (stdout and
+A `Subprocess` runs in its own session, from the project's root, with its output (stdout and
 stderr) in a log file, and is stopped by its pid: SIGTERM, then SIGKILL at a deadline.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Child:
+class Subprocess:
     """One subprocess in its own session; stdout and stderr go to ``log`` (truncated)."""
 
     def __init__(self, name: str, argv: list[str], env: Mapping[str, str], log: Path) -> None:
