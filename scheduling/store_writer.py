@@ -10,7 +10,6 @@ is one pipelined round trip. `scheduling.store.SessionStoreCoordinator` feeds th
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import queue
 import threading
@@ -41,7 +40,7 @@ from scheduling import runs
 from scheduling.faults import crash_point, is_armed
 from scheduling.models import Event, Run, RunStatus, Session
 from scheduling.protocol import FenceRejected
-from scheduling.runs import Fence, check_fence, db_now
+from scheduling.runs import Fence, check_fence, db_now, statements
 from scheduling.serialization import (
     SessionEvent,
 )
@@ -187,32 +186,6 @@ def _set_prefixes(using: str, totals: list[tuple[str, int]]) -> int:
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return cursor.rowcount
-
-
-@functools.cache
-def _pipelined_sql(using: str) -> tuple[str, str, str]:
-    """The pipelined group commit's statements on database ``using`` (PostgreSQL): lock the
-    sessions, move their durable counts on where they are still as expected, insert the
-    events — the last two failing unless they wrote every row (`runs.guarded`)."""
-    quote = connections[using].ops.quote_name
-    sessions, events = quote(Session._meta.db_table), quote(Event._meta.db_table)
-    columns = ", ".join(
-        quote(Event._meta.get_field(name).column)
-        for name in ("session", "seq", "run", "type", "data", "created_at")
-    )
-    count = quote(Session._meta.get_field("persisted_events").column)
-    return (
-        f"SELECT id FROM {sessions} WHERE id = ANY(%s::uuid[]) ORDER BY id FOR UPDATE",
-        runs.guarded(
-            f"UPDATE {sessions} s SET {count} = c.total, updated_at = %s"
-            f" FROM UNNEST(%s::uuid[], %s::int[], %s::int[]) AS c(id, expected, total)"
-            f" WHERE s.id = c.id AND s.{count} = c.expected RETURNING 1"
-        ),
-        runs.guarded(
-            f"INSERT INTO {events} ({columns}) SELECT * FROM UNNEST(%s::uuid[], %s::int[],"
-            f" %s::uuid[], %s::varchar[], %s::text[], %s::timestamptz[]) RETURNING 1"
-        ),
-    )
 
 
 def _event_columns(commits: list[_Commit]) -> list[list[Any]]:
@@ -425,7 +398,7 @@ class _Writer(threading.Thread):
         connection = connections[self.using]
         sessions = sorted({commit.session_id for commit in commits})
         rows = sum(len(commit.rows) for commit in commits)
-        lock_sessions, move_sessions, insert_events = _pipelined_sql(self.using)
+        lock_sessions, move_sessions, insert_events = statements.group_commit(self.using)
         points = sorted({_point(commit) for commit in commits})
         at_once = not any(is_armed(f"{point}.before_commit") for point in points)
         try:

@@ -3,7 +3,8 @@
 The portable code (ORM queries) is the reference; a statement here either speeds one up
 or says what the ORM cannot. Each has a one-line "why". PostgreSQL's statements send a
 whole transition in one round trip (`sageproject.db.pipelined`); their portable twins
-live beside their callers in `admission`, `claims` and `transitions`. The claim's fair
+live beside their callers in `admission`, `claims`, `transitions` and the session
+store's writer (`scheduling.store_writer`, whose group commit is `group_commit` here). The claim's fair
 rule exists twice: `claim` here, `claims._heads` + `claims._pick` in Python;
 ``tests/scheduling/test_claim_rule.py`` checks that both choose the same runs.
 
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections
 
 from scheduling import pending
-from scheduling.models import UNFINISHED_STATUSES, FenceSequence, Run, RunStatus, Session
+from scheduling.models import UNFINISHED_STATUSES, Event, FenceSequence, Run, RunStatus, Session
 from scheduling.protocol import ClaimOrder
 from scheduling.runs.clock import Clock
 
@@ -460,6 +461,35 @@ def claim_sql(using: str, by_queue: bool, fair_order_: bool, clocked: bool) -> s
 
 
 # ------------------------------------------------------------------------ the store's commits
+
+
+@functools.cache
+def group_commit(using: str) -> tuple[str, str, str]:
+    """The pipelined group commit's statements on database ``using`` (PostgreSQL): lock the
+    sessions, move their durable counts on where they are still as expected, insert the
+    events — the last two failing unless they wrote every row (`guarded`).
+
+    Why: a batch of many runs' events commits in one round trip
+    (`scheduling.store_writer`); the portable twin is the writer's ORM path."""
+    quote = connections[using].ops.quote_name
+    sessions, events = quote(Session._meta.db_table), quote(Event._meta.db_table)
+    columns = ", ".join(
+        quote(Event._meta.get_field(name).column)
+        for name in ("session", "seq", "run", "type", "data", "created_at")
+    )
+    count = quote(Session._meta.get_field("persisted_events").column)
+    return (
+        f"SELECT id FROM {sessions} WHERE id = ANY(%s::uuid[]) ORDER BY id FOR UPDATE",
+        guarded(
+            f"UPDATE {sessions} s SET {count} = c.total, updated_at = %s"
+            f" FROM UNNEST(%s::uuid[], %s::int[], %s::int[]) AS c(id, expected, total)"
+            f" WHERE s.id = c.id AND s.{count} = c.expected RETURNING 1"
+        ),
+        guarded(
+            f"INSERT INTO {events} ({columns}) SELECT * FROM UNNEST(%s::uuid[], %s::int[],"
+            f" %s::uuid[], %s::varchar[], %s::text[], %s::timestamptz[]) RETURNING 1"
+        ),
+    )
 
 
 def lock_fences(fences: Sequence[Fence], connection: Any) -> tuple[str, list[Any]]:
