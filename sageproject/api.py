@@ -87,7 +87,7 @@ def sage_error_response(error: SageError) -> Response:
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
-    """Render every error as the DESIGN §5 envelope."""
+    """Render every error as the DESIGN §6 envelope."""
     if isinstance(exc, SageError):
         return sage_error_response(exc)
     if isinstance(exc, RequestDataTooBig):
@@ -290,6 +290,6 @@ class ErrorDetailSerializer(serializers.Serializer):
 
 
 class ErrorEnvelopeSerializer(serializers.Serializer):
-    """Every error the API answers (DESIGN §5)."""
+    """Every error the API answers (DESIGN §6)."""
 
     error = ErrorDetailSerializer()

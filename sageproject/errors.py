@@ -95,7 +95,7 @@ class SageError(Exception):
         }
 
     def to_dict(self) -> dict[str, Any]:
-        """The envelope of DESIGN §5: ``{"error": {...}}``."""
+        """The envelope of DESIGN §6: ``{"error": {...}}``."""
         return {"error": {**self.record(), "details": self.details}}
 
     def __repr__(self) -> str:

@@ -1,4 +1,4 @@
-"""Django settings, read from the environment (see docs/DESIGN.md §6)."""
+"""Django settings, read from the environment (see docs/DESIGN.md §7 and docs/SETTINGS.md)."""
 
 from __future__ import annotations
 

@@ -327,7 +327,7 @@ def to_bytes(data: bytes | str) -> bytes:
     return bytes(data)
 
 
-# --- errors (stable codes, listed in docs/DESIGN.md §8.3) ------------------------------
+# --- errors (stable codes, listed in docs/OPERATIONS.md "Errors") --------------------
 
 
 def runtime_closed() -> SageError:

@@ -4,9 +4,9 @@ The portable code (ORM queries) is the reference; a statement here either speeds
 or says what the ORM cannot. Each has a one-line "why". PostgreSQL's statements send a
 whole transition in one round trip (`sageproject.db.pipelined`); their portable twins
 live beside their callers in `admission`, `claims`, `transitions` and the session
-store's writer (`scheduling.store_writer`, whose group commit is `group_commit` here). The claim's fair
-rule exists twice: `claim` here, `claims._heads` + `claims._pick` in Python;
-``tests/scheduling/test_claim_rule.py`` checks that both choose the same runs.
+store's writer (`scheduling.store_writer`, whose group commit is `group_commit` here).
+The claim's fair rule exists twice: `claim` here, `claims._heads` + `claims._pick` in
+Python; ``tests/scheduling/test_claim_rule.py`` checks that both choose the same runs.
 
 Texts that depend only on the database's quoting are built once (``functools.cache``),
 so a prepared statement (`sageproject.db.prepared`) is planned once per connection.

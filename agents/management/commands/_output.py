@@ -1,5 +1,5 @@
 """Shared output helpers of the agents management commands: JSON or text, one error
-envelope (DESIGN §5) for ``--json``."""
+envelope (DESIGN §6) for ``--json``."""
 
 from __future__ import annotations
 
