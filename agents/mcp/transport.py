@@ -3,7 +3,7 @@ checked here first: one place to put the outbound policy (which hosts, which add
 
 # H5: replace with sageproject.outbound — `check_server_url` becomes
 # `outbound.check_url(url, policy)` and `http_client` `outbound.async_client(policy, ...)`
-# (resolved-address checks at connect time, `SAGE_MCP_ALLOWED_HOSTS`).
+# (resolved-address checks at connect time, the allowed-hosts setting).
 """
 
 from __future__ import annotations
