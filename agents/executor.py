@@ -726,15 +726,17 @@ class RunExecutor:
         emit = writer.emit
         try:
             agents = await self._current_agents(app)
-            writer.begin()
             if app.flow is not None:
+                writer.begin()
                 flow = await self._run_flow(app, agents, prepared, emit, ctx)
                 result = {"text": flow.output, "steps": flow.steps, "flow": flow.flow}
                 flow_outputs = flow.outputs
             else:
                 entry = agents[prepared.agent_id]
                 mcp = await self._mcp_tools(entry, prepared)
+                # Before the start can be committed: it may lose answers (`_resend`).
                 resend = self._resend(prepared, mcp, writer, history)
+                writer.begin()
                 turn = self._turn(entry)
                 # Tools whose calls wait for the user (agent sessions; flows never wait).
                 outcome = await run_turn(
