@@ -160,6 +160,8 @@ SUSPENDING_CODES = frozenset(
         "management.capacity",
         "management.draining",
         "upstream.rate_limited",
+        # Every MCP session slot is in use (listing an agent's MCP tools).
+        "mcp.session_pool_full",
     }
 )
 

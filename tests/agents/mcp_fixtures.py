@@ -36,6 +36,9 @@ class McpTestServer:
         self.calls: list[Call] = []
         self.bumps = 0
         self.refused = 0
+        # ``slow`` calls running at once, and the most there ever were.
+        self.running = 0
+        self.max_running = 0
         server = MCPServer("sage-test")
 
         def record(ctx: Context, tool: str, **arguments: Any) -> None:
@@ -76,7 +79,12 @@ class McpTestServer:
         async def slow(ctx: Context, seconds: float = 5.0) -> str:
             """Sleeps."""
             record(ctx, "slow")
-            await asyncio.sleep(seconds)
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+            try:
+                await asyncio.sleep(seconds)
+            finally:
+                self.running -= 1
             return "slept"
 
         @server.tool()
