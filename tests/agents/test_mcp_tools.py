@@ -4,8 +4,10 @@ loopback (`tests.agents.mcp_fixtures`)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import orjson
 import pytest
 
 from agents import services
@@ -16,9 +18,10 @@ from tests.agents.mcp_fixtures import (
     McpTestServer,
     mcp_server_fixture,  # noqa: F401  (registers "mcp_server")
 )
-from tests.conftest import scripted_model
+from tests.conftest import client_for, scripted_model
 from tests.e2e import conftest as e2e
 from tests.e2e.conftest import wait_for
+from tests.e2e.test_live_stream import _completed, _read
 
 pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 
@@ -241,3 +244,26 @@ def test_a_server_that_is_down_fails_the_run_clearly(alice, start_worker):
     run = ends(submit(alice, session), RunStatus.FAILED)
     assert run.error["code"] == "mcp.unreachable"
     assert "'crm'" in run.error["message"]
+
+
+def test_progress_notifications_reach_the_session_stream(alice, mcp_server, start_worker):
+
+
+
+    start_worker()
+    connect(alice, mcp_server)
+    session = agent(
+        alice, mcp_server.url, {"text": "", "tool_calls": [call("bump")]}, {"text": "ok"}
+    )
+    api = client_for(alice)
+    response = api.get(f"/api/v1/sessions/{session.pk}/stream/", {"timeout": 60})
+    run = submit(alice, session)
+    messages = asyncio.run(_read(response, _completed))
+    kinds = [m["event"] for m in messages]
+    [progress] = [orjson.loads(m["data"]) for m in messages if m["event"] == "tool.progress"]
+    assert progress["run"] == str(run.pk)
+    assert progress["payload"]["name"] == "mcp__crm__bump"
+    assert progress["payload"]["message"] == "half way"
+    assert kinds.index("tool.call.started") < kinds.index("tool.progress")
+    assert kinds.index("tool.progress") < kinds.index("tool.call.succeeded")
+    assert not Event.objects.filter(session_id=session.pk, type="tool.progress").exists()
