@@ -23,8 +23,10 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from agents.mcp.client import McpError, McpSessionPool, RemoteTool, SessionSpec
@@ -37,6 +39,8 @@ from scheduling.figures import MCP_CALL_SECONDS, MCP_CALLS, Figures
 logger = logging.getLogger("sage.mcp")
 
 IDEMPOTENCY_META_KEY = "sage/idempotency_key"
+# The last calls a worker shows operators (its snapshot; the admin's MCP page).
+RECENT_CALLS = 50
 # The crash point between a call's answer and its result being durable (fault tests).
 CALL_SENT_POINT = "mcp.call.sent"
 
@@ -126,6 +130,7 @@ class McpRuntime:
         self.metrics = metrics if metrics is not None else Figures()
         self._slots: dict[Any, asyncio.Semaphore] = {}
         self._slot_users: dict[Any, int] = {}
+        self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_CALLS)
 
     async def agent_tools(self, owner_id: int, servers: Sequence[Mapping[str, Any]]) -> McpTools:
         """The tools of ``servers`` (manifest entries) for ``owner_id``'s run. Raises
@@ -274,8 +279,20 @@ class McpRuntime:
             else:  # nobody waits on it: forget the user's slots
                 del self._slot_users[owner_id]
                 self._slots.pop(owner_id, None)
+            seconds = time.monotonic() - started
             self.metrics.count(MCP_CALLS, server=spec.server, outcome=outcome)
-            self.metrics.observe(MCP_CALL_SECONDS, time.monotonic() - started, server=spec.server)
+            self.metrics.observe(MCP_CALL_SECONDS, seconds, server=spec.server)
+            self._recent.append(
+                {
+                    "at": datetime.now(UTC).isoformat(timespec="seconds"),
+                    "owner": owner_id,
+                    "server": spec.server,
+                    "url": spec.url,
+                    "tool": remote,
+                    "outcome": outcome,
+                    "ms": round(seconds * 1000),
+                }
+            )
 
     def _progress(self, ctx: ToolContext, name: str) -> Any:
         if self.publish is None or ctx.session_id is None:
@@ -301,7 +318,12 @@ class McpRuntime:
         return progress
 
     def snapshot(self) -> dict[str, Any]:
-        return {"calls_waiting_or_running": sum(self._slot_users.values())}
+        """Calls waiting or running now, and the last `RECENT_CALLS` (newest last: when,
+        whose, which server and tool, the outcome and milliseconds; never arguments)."""
+        return {
+            "calls_waiting_or_running": sum(self._slot_users.values()),
+            "recent": list(self._recent),
+        }
 
     async def close(self) -> None:
         await self.pool.close()

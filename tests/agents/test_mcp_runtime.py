@@ -84,6 +84,9 @@ async def test_progress_is_published_live_and_calls_are_counted(mcp_server) -> N
         }
         counters = mcp.metrics.snapshot()["counters"][MCP_CALLS]
         assert counters == [[{"server": "crm", "outcome": "ok"}, 1]]
+        [recent] = mcp.snapshot()["recent"]
+        assert (recent["owner"], recent["tool"], recent["outcome"]) == (1, "bump", "ok")
+        assert "by" not in str(recent)  # never the arguments
     finally:
         await mcp.close()
 

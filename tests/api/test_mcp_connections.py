@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from django.urls import reverse
+from django.utils import timezone
 
 from agents.models import McpConnection
 from agents.services.mcp import mcp_connection_save, mcp_credentials_sync
@@ -118,3 +119,39 @@ def test_operators_see_and_revoke_any_connection_in_the_admin(client, staff, ali
     )
     row.refresh_from_db()
     assert row.revoked_at is not None
+
+
+def test_the_mcp_page_shows_servers_connections_and_recent_calls(client, staff, alice):
+    from agents.services import packages
+    from scheduling.models import WorkerSnapshot
+    from tests.conftest import demo_manifest
+
+    url = "https://crm.example/mcp"
+    manifest = demo_manifest(name="crm-agent", mcp_servers=[{"name": "crm", "url": url}])
+    packages.package_create(owner=alice, manifest=manifest)
+    mcp_connection_save(user=alice, server_url=url, bearer_token=SECRET)
+    recent = {
+        "at": "2026-12-07T03:00:00+00:00",
+        "owner": alice.pk,
+        "server": "crm",
+        "url": url,
+        "tool": "lookup",
+        "outcome": "timeout",
+        "ms": 1234,
+    }
+    WorkerSnapshot.objects.create(
+        worker_id="w1",
+        host="h",
+        pid=1,
+        started_at=timezone.now(),
+        heartbeat_at=timezone.now(),
+        capacity={"executor": {"mcp_sessions": {"recent": [recent]}}},
+    )
+    client.force_login(staff)
+    page = client.get(reverse("admin:mcp"))
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert "crm-agent@1.0.0" in text and url in text
+    assert "<strong>timeout</strong>" in text and "1234" in text and "alice" in text
+    assert SECRET not in text
+    assert reverse("admin:mcp") in client.get(reverse("admin:index")).content.decode()
