@@ -74,7 +74,8 @@ def test_it_is_disabled_by_default(settings: Any) -> None:
 
 
 def test_it_offers_both_tools_sized_by_the_run_concurrency_when_enabled(settings: Any) -> None:
-    settings.SAGE = {**settings.SAGE, "SAGE_CODE_TOOLS": True, "SAGE_SERVER_MAX_CONCURRENT_RUNS": 5}
+    settings.SAGE = {**settings.SAGE, "SAGE_CODE_TOOLS": True,
+                     "SAGE_SERVER_MAX_CONCURRENT_RUNS": 5}
     runtime = CodeToolsRuntime.from_settings()
     assert [tool.name for tool in runtime.tools()] == ["python", "python_session"]
     assert runtime.pools["python"].stats().max == 5
@@ -82,28 +83,14 @@ def test_it_offers_both_tools_sized_by_the_run_concurrency_when_enabled(settings
 
 
 def test_it_reports_declared_code_tools_as_missing_while_disabled() -> None:
-    manifest = parse_manifest(
-        {
-            "name": "coder",
-            "version": "1.0.0",
-            "entrypoint": "main",
-            "agents": {"main": {"model": "scripted", "tools": ["python", "python_session"]}},
-        }
-    )
-    off = check_readiness(
-        manifest,
-        tools=build_registry(extra=make_runtime(enabled=False).tools()),
-        skills=None,
-        model_names={"scripted"},
-        strict=False,
-    )
-    on = check_readiness(
-        manifest,
-        tools=build_registry(extra=make_runtime().tools()),
-        skills=None,
-        model_names={"scripted"},
-        strict=False,
-    )
+    manifest = parse_manifest({
+        "name": "coder", "version": "1.0.0", "entrypoint": "main",
+        "agents": {"main": {"model": "scripted", "tools": ["python", "python_session"]}},
+    })
+    off = check_readiness(manifest, tools=build_registry(extra=make_runtime(
+        enabled=False).tools()), skills=None, model_names={"scripted"}, strict=False)
+    on = check_readiness(manifest, tools=build_registry(extra=make_runtime().tools()),
+                         skills=None, model_names={"scripted"}, strict=False)
     assert off.agents["main"]["missing_tools"] == ["python", "python_session"]
     assert off.ready is False
     assert on.agents["main"]["missing_tools"] == []
@@ -310,9 +297,8 @@ async def test_it_leaves_no_process_behind_after_close() -> None:
 
 
 async def test_it_runs_one_janitor_for_its_pools_and_the_session_reaper() -> None:
-    runtime = make_runtime(
-        janitor_interval=0.01, session_pool=SessionPool(rss_limit=0, reap_interval=0.01)
-    )
+    runtime = make_runtime(janitor_interval=0.01,
+                           session_pool=SessionPool(rss_limit=0, reap_interval=0.01))
     await runtime.start()
     try:
         await runtime.run_python_session({"code": "1"}, ctx("s-job", session_kind="job"))
@@ -331,19 +317,8 @@ async def test_it_reports_capacity_with_pool_stats_history_and_sessions(
     capacity = runtime.capacity()
     assert capacity["enabled"] is True
     pool = capacity["pools"]["python"]
-    assert {
-        "created",
-        "idle",
-        "in_use",
-        "waiting",
-        "max",
-        "resident",
-        "grow_step",
-        "shrink_step",
-        "peak_in_use",
-        "history",
-        "spares",
-    } <= set(pool)
+    assert {"created", "idle", "in_use", "waiting", "max", "resident", "grow_step",
+            "shrink_step", "peak_in_use", "history", "spares"} <= set(pool)
     assert pool["created"] == 1 and pool["max"] == 2
     assert pool["history"] and all(len(sample) == 3 for sample in pool["history"])
     t, created, in_use = pool["history"][-1]

@@ -86,7 +86,9 @@ def test_it_revalidates_a_repeated_save_in_strict_mode(
     assert ReadinessReport.objects.filter(ready=False).count() == 1
 
 
-def test_it_answers_a_repeated_save_without_rechecking_outside_strict_mode(alice, scripted_record):
+def test_it_answers_a_repeated_save_without_rechecking_outside_strict_mode(
+    alice, scripted_record
+):
     packages.package_save(owner=alice, manifest=demo_manifest())
     again = packages.package_save(owner=alice, manifest=demo_manifest())
     assert again["reused"] is True and again["readiness"] is None
@@ -176,7 +178,9 @@ def test_it_refuses_run_submission_in_strict_mode_when_not_ready(
 
 
 def test_it_validates_a_saved_package_and_stores_the_report(alice, scripted_record):
-    package = packages.package_save(owner=alice, manifest=demo_manifest(tools=["nope"]))["package"]
+    package = packages.package_save(owner=alice, manifest=demo_manifest(tools=["nope"]))[
+        "package"
+    ]
     body = packages.package_validate(owner=alice, package=package, strict=False)
     assert body["readiness"]["agents"]["assistant"]["missing_tools"] == ["nope"]
     assert ReadinessReport.objects.filter(package=package).count() == 2  # save + validate
