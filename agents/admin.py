@@ -19,11 +19,13 @@ from django.utils.html import format_html, format_html_join
 from agents.models import (
     AgentPackage,
     ManagedAgentRecord,
+    McpConnection,
     ReadinessReport,
     ReclamationRequest,
     Visibility,
 )
 from agents.services import packages
+from agents.services.mcp import mcp_connection_revoke
 from agents.services.reclamations import reclamation_create
 from sageproject import admin_display as show
 from sageproject.errors import SageError
@@ -369,3 +371,51 @@ class ReclamationRequestAdmin(admin.ModelAdmin):
 
 # The jobs package registers its own admin (JobRecord, with the cancel action).
 import agents.jobs.admin  # noqa: E402, F401
+
+
+@admin.register(McpConnection)
+class McpConnectionAdmin(admin.ModelAdmin):
+    """Users' connections to remote MCP servers: who connected what, and when; never the
+    secret. Operators revoke any (the owner's runs then ask to connect again)."""
+
+    list_display = ["server", "owner", "kind", "state", "last_used", "updated"]
+    list_filter = ["kind", ("revoked_at", admin.EmptyFieldListFilter)]
+    search_fields = ["server_url", "owner__username"]
+    list_select_related = ["owner"]
+    fields = [
+        "owner",
+        "server_url",
+        "kind",
+        "state",
+        "created_at",
+        "updated_at",
+        "last_used_at",
+        "revoked_at",
+    ]
+    readonly_fields = fields
+    actions = ["revoke"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # users connect through the API: the secret is theirs to give
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.display(description="server", ordering="server_url")
+    def server(self, obj: McpConnection) -> str:
+        return show.preview(obj.server_url, 60)
+
+    @admin.display(description="state")
+    def state(self, obj: McpConnection) -> str:
+        return show.badge("active" if obj.active else "revoked")
+
+    last_used = show.time_column("last_used_at", "last used")
+    updated = show.time_column("updated_at")
+
+    @admin.action(description="Revoke the selected connections")
+    def revoke(self, request: HttpRequest, queryset: Any) -> None:
+        count = 0
+        for row in queryset.filter(active=True):
+            mcp_connection_revoke(user=request.user, connection_id=row.pk, operator=True)
+            count += 1
+        self.message_user(request, f"revoked {count} connection(s)", messages.SUCCESS)

@@ -69,6 +69,9 @@ class PreparedAgent:
     record: Any
     # Tools whose calls wait for the user's approval (the manifest's ``approval``).
     approval: frozenset[str] = frozenset()
+    # The manifest's ``mcp_servers`` entries: their tools are listed per run, with the
+    # run's user's credentials (`agents.mcp.runtime`).
+    mcp_servers: tuple[Any, ...] = ()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -585,6 +588,7 @@ def build_application_sync(key: ApplicationKey, tools: ToolRegistry) -> Applicat
             max_steps=int(definition["max_steps"]),
             record=record_view(record),
             approval=frozenset(definition.get("approval", ())),
+            mcp_servers=tuple(definition.get("mcp_servers", ())),
         )
     return Application(
         key=key,

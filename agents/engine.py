@@ -6,12 +6,13 @@ and ``emit`` (which commits durable events); the loop itself holds no resources.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.tools import Tool, ToolContext
+from agents.tools import Tool, ToolContext, ToolSuspends
 from agents.tracing import DISABLED, Tracing
 from pooling.providers.base import ModelRequest, StreamEnd, TextDelta, ToolCall, ToolSpec
 from sageproject.errors import SageError
@@ -89,6 +90,8 @@ class TurnOutcome:
 INTERRUPTED_TOOL_ERROR = "interrupted by a worker restart; the tool's effect is unknown"
 # What the model is told of a call that waited for an approval the run ended without.
 NOT_APPROVED_TOOL_ERROR = "not run: the run ended before the user approved this call"
+# What the model is told of the calls a suspending tool (`ToolSuspends`) stopped.
+SUSPENDED_TOOL_ERROR = "not run: the run waited for the user ({reason}); call it again"
 
 
 def unanswered_tool_calls(
@@ -173,18 +176,25 @@ async def _call_tool(
         description=tool.description if tool is not None else None,
         conversation_id=ctx.session_id,
         run_id=ctx.run_id,
+        server=tool.server if tool is not None else None,
     ) as span:
         if tool is None:
             span.failed("tool.not_found")
             return False, f"unknown tool {call.name!r}"
         try:
-            output = await tool.handler(dict(call.arguments), ctx)
+            output = await tool.handler(
+                dict(call.arguments), dataclasses.replace(ctx, call_id=call.id)
+            )
+        except ToolSuspends as exc:  # the run waits for the user: not a tool result
+            span.failed(exc.code)
+            raise
         except SageError as exc:  # ToolError (tool.failed) and the host's own errors
             span.failed(exc.code)
             return False, exc.message
         if not isinstance(output, str):
             output = json.dumps(output, default=str)
-        output = output[:MAX_TOOL_OUTPUT_CHARS]
+        if not tool.capped:
+            output = output[:MAX_TOOL_OUTPUT_CHARS]
         span.succeeded(output)
         return True, output
 
@@ -206,6 +216,7 @@ async def run_turn(
     ctx: ToolContext,
     tracing: Tracing = DISABLED,
     approval: ApprovalReply | None = None,
+    resend: Sequence[ToolCall] = (),
 ) -> TurnOutcome:
     """Run model calls and tools until the model answers without tool calls.
 
@@ -218,6 +229,12 @@ async def run_turn(
     message is emitted, before any of its calls acts. ``approval`` resumes such a step:
     ``history`` then ends with its message, and its calls run (the rejected ones are
     answered with `REJECTED_TOOL_ERROR`) before the next model call.
+
+    ``resend``: calls a crashed attempt sent without recording their result, of tools
+    declared idempotent: they are sent again (same idempotency key) before the model is
+    called. Each call's result is emitted (durable) before the next call acts: a resumed
+    run never sends a call whose result was recorded. A `ToolSuspends` from a tool
+    answers its call and the step's later ones as not run, then propagates.
     """
     tools_by_name = {tool.name: tool for tool in turn.tools}
     specs = tuple(
@@ -229,25 +246,31 @@ async def run_turn(
     async def act(calls: Sequence[ToolCall], rejected: frozenset[str] = frozenset()) -> None:
         """Run a step's calls (their start already emitted) and emit their results."""
         crash_point("tool.started")
-        results: EventBatch = []
-        for call in calls:
+        for index, call in enumerate(calls):
             if call.id in rejected:
                 ok, output = False, REJECTED_TOOL_ERROR
             else:
-                ok, output = await _call_tool(tools_by_name.get(call.name), call, ctx, tracing)
-            if ok:
-                results.append(
-                    (TOOL_SUCCEEDED, {"id": call.id, "name": call.name, "output": output})
-                )
-                content = output
-            else:
-                results.append((TOOL_FAILED, {"id": call.id, "name": call.name, "error": output}))
-                content = f"error: {output}"
-            history.append(
-                {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
-            )
-        await emit(results)
+                try:
+                    ok, output = await _call_tool(tools_by_name.get(call.name), call, ctx, tracing)
+                except ToolSuspends as exc:
+                    error = SUSPENDED_TOOL_ERROR.format(reason=exc.code)
+                    await emit([_result(c, False, error) for c in calls[index:]])
+                    raise
+            # The journal: this result is durable before the next call acts.
+            await emit([_result(call, ok, output)])
 
+    def _result(call: ToolCall, ok: bool, output: str) -> tuple[str, dict[str, Any]]:
+        content = output if ok else f"error: {output}"
+        history.append(
+            {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
+        )
+        if ok:
+            return (TOOL_SUCCEEDED, {"id": call.id, "name": call.name, "output": output})
+        return (TOOL_FAILED, {"id": call.id, "name": call.name, "error": output})
+
+    if resend:
+        await emit(_started(resend))
+        await act(resend)
     if approval is not None:
         started = _started(approval.calls, approval.rejected)
         if started:

@@ -56,8 +56,10 @@ from agents.jobs.reconcile import poll_cancel_requests
 from agents.jobs.records import JobEventRecorder
 from agents.jobs.runtime import build_job_runtime
 from agents.jobs.tools import JOB_TOOLS
+from agents.mcp.runtime import NO_TOOLS, McpRuntime, McpTools
 from agents.services import reclamations
-from agents.tools import ToolContext, ToolRegistry, build_registry
+from agents.services.mcp import mcp_credentials_sync
+from agents.tools import ToolContext, ToolRegistry, ToolSuspends, build_registry
 from agents.tracing import Tracing
 from pooling import providers
 from pooling.budget import ModelConcurrencyBudget
@@ -158,6 +160,8 @@ SUSPENDING_CODES = frozenset(
         "management.capacity",
         "management.draining",
         "upstream.rate_limited",
+        # Every MCP session slot is in use (listing an agent's MCP tools).
+        "mcp.session_pool_full",
     }
 )
 
@@ -321,6 +325,7 @@ class RunExecutor:
         code_tools: CodeToolsRuntime | None = None,
         jobs: Any | None = None,
         tracer_provider: Any | None = None,
+        mcp: McpRuntime | None = None,
     ) -> None:
         sage = settings.SAGE
         # OpenTelemetry spans (agents/tracing.py): the global tracer provider unless one is
@@ -356,9 +361,19 @@ class RunExecutor:
         self.worker_tag = f"{socket.gethostname()}:{os.getpid()}"
         self.swept = 0
         self._pool_snapshot: dict[str, Any] = {}
+        self._mcp_snapshot: dict[str, Any] = {}
         self._job_stats: dict[str, Any] = {}
         # Time to first token and tokens per model here; the worker adds its own (/metrics).
         self.metrics = Figures()
+        # Remote MCP servers' tools: sessions per (user, server, credentials), call slots.
+        self.mcp = mcp or McpRuntime(
+            credentials=lambda owner_id, url: db_call(mcp_credentials_sync, owner_id, url),
+            max_sessions=sage["SAGE_MCP_MAX_SESSIONS"],
+            max_calls_per_user=sage["SAGE_MCP_MAX_CALLS_PER_USER"],
+            max_output_bytes=sage["SAGE_MCP_MAX_OUTPUT_BYTES"],
+            publish=live.publish,
+            metrics=self.metrics,
+        )
         # When each resident Application's model records were last compared with the
         # database (see `_current_agents`).
         self._records_checked: dict[Any, float] = {}
@@ -400,6 +415,10 @@ class RunExecutor:
         except Exception as exc:
             logger.warning("closing the code tools: %s", exc)
         try:
+            await self.mcp.close()
+        except SageError as exc:
+            logger.warning("closing MCP sessions: %s (%s)", exc.message, exc.__cause__)
+        try:
             await self.pool.close()
         except SageError as exc:
             logger.warning("closing model clients: %s (%s)", exc.message, exc.__cause__)
@@ -413,6 +432,7 @@ class RunExecutor:
     async def _refresh(self) -> None:
         """The model client pool's and the job runtime's figures, for `capacity`."""
         self._pool_snapshot = await self.pool.snapshot()
+        self._mcp_snapshot = {**await self.mcp.pool.snapshot(), **self.mcp.snapshot()}
         stats = getattr(self.jobs, "stats", None)
         if stats is not None:
             try:
@@ -464,6 +484,7 @@ class RunExecutor:
             "tools": self.tools.names(),
             "management": self.service.capacity(),
             "code_tools": self.code_tools.capacity(),
+            "mcp_sessions": dict(self._mcp_snapshot),
             "jobs": {
                 "runtime": type(self.jobs).__name__ if self.jobs is not None else None,
                 **self._job_stats,
@@ -707,16 +728,25 @@ class RunExecutor:
         emit = writer.emit
         try:
             agents = await self._current_agents(app)
-            writer.begin()
             if app.flow is not None:
+                writer.begin()
                 flow = await self._run_flow(app, agents, prepared, emit, ctx)
                 result = {"text": flow.output, "steps": flow.steps, "flow": flow.flow}
                 flow_outputs = flow.outputs
             else:
                 entry = agents[prepared.agent_id]
+                mcp = await self._mcp_tools(entry, prepared)
+                # Before the start can be committed: it may lose answers (`_resend`).
+                resend = self._resend(prepared, mcp, writer, history)
+                writer.begin()
+                turn = self._turn(entry)
                 # Tools whose calls wait for the user (agent sessions; flows never wait).
                 outcome = await run_turn(
-                    dataclasses.replace(self._turn(entry), approval=entry.approval),
+                    dataclasses.replace(
+                        turn,
+                        tools=(*turn.tools, *mcp.tools),
+                        approval=entry.approval | mcp.approval,
+                    ),
                     history,
                     call_model=lambda request: self._stream_model(
                         entry.record, prepared.owner_id, request, prepared
@@ -725,6 +755,7 @@ class RunExecutor:
                     ctx=ctx,
                     tracing=self.tracing,
                     approval=prepared.approval,
+                    resend=resend,
                 )
                 result = {"text": outcome.text, "steps": outcome.steps, "usage": outcome.usage}
         except asyncio.CancelledError:
@@ -739,6 +770,8 @@ class RunExecutor:
             return "lease_lost"
         except ApprovalRequired as exc:
             return await writer.outcome(self._approval(exc, prepared))
+        except ToolSuspends as exc:
+            return await writer.outcome(self._suspension(exc, prepared))
         except SageError as exc:
             if exc.code in SUSPENDING_CODES:
                 return await writer.outcome(self._suspension(exc, prepared))
@@ -763,6 +796,44 @@ class RunExecutor:
                 flow_outputs=flow_outputs,
             )
         )
+
+    async def _mcp_tools(self, entry: PreparedAgent, prepared: PreparedRun) -> McpTools:
+        """The agent's MCP tools for this run's user (none without ``mcp_servers``)."""
+        if not entry.mcp_servers:
+            return NO_TOOLS
+        return await self.mcp.agent_tools(prepared.owner_id, entry.mcp_servers)
+
+    @staticmethod
+    def _resend(
+        prepared: PreparedRun, mcp: McpTools, writer: _RunEvents, history: list[dict[str, Any]]
+    ) -> tuple[ToolCall, ...]:
+        """The calls a crashed attempt sent without recording their result, of tools the
+        agent declares idempotent: sent again instead of being answered "interrupted"
+        (their answer is taken out of the start events and the history)."""
+        if not mcp.idempotent or not prepared.interrupted_calls:
+            return ()
+        interrupted = {str(p.get("id")) for _, p in prepared.interrupted_calls}
+        calls = [
+            ToolCall(id=str(c["id"]), name=c["name"], arguments=c.get("arguments") or {})
+            for m in history
+            if m.get("role") == "assistant"
+            for c in m.get("tool_calls") or ()
+            if str(c.get("id")) in interrupted and c.get("name") in mcp.idempotent
+        ]
+        again = {c.id for c in calls}
+        if not again:
+            return ()
+        writer.pending = [
+            (etype, p)
+            for etype, p in writer.pending
+            if not (etype == TOOL_FAILED and str(p.get("id")) in again)
+        ]
+        history[:] = [
+            m
+            for m in history
+            if not (m.get("role") == "tool" and str(m.get("tool_call_id")) in again)
+        ]
+        return tuple(calls)
 
     def _approval(self, request: ApprovalRequired, prepared: PreparedRun) -> Outcome:
         """Park the run until the user approves or rejects the step's waiting calls."""
@@ -789,6 +860,9 @@ class RunExecutor:
             **error.record(),
             "allowed_decisions": ["retry", "cancel"],
         }
+        if isinstance(error, ToolSuspends):
+            # What the user must do first (connect an MCP server: its name and URL).
+            interaction.update(error.interaction(), type=error.interaction_type)
         retry_after = error.details.get("retry_after")
         if isinstance(retry_after, int | float) and not isinstance(retry_after, bool):
             # When a retry may succeed (an upstream 429's Retry-After, or its default).

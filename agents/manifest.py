@@ -23,7 +23,9 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
+from agents.mcp.naming import SERVER_NAME_RE
 from sageproject.errors import NotFoundError, ValidationError
 
 MAX_FILES = 256
@@ -63,8 +65,23 @@ _RESERVED_ROOT_FILES = frozenset({"sage.yaml", "sage.yml", "sage.json"})
 
 _TOP_KEYS = frozenset({"name", "version", "entrypoint", "agents", "flows", "files"})
 _AGENT_KEYS = frozenset(
-    {"model", "instructions", "tools", "skills", "subagents", "max_steps", "approval"}
+    {
+        "model",
+        "instructions",
+        "tools",
+        "skills",
+        "subagents",
+        "max_steps",
+        "approval",
+        "mcp_servers",
+    }
 )
+_MCP_KEYS = frozenset({"name", "url", "allowed_tools", "approval", "timeout_seconds", "idempotent"})
+MCP_DEFAULT_TIMEOUT_SECONDS = 30
+MCP_MAX_TIMEOUT_SECONDS = 300
+MCP_MAX_URL_CHARS = 2000
+# An MCP tool's own name (what the server lists): printable, no spaces, bounded.
+_MCP_TOOL_RE = re.compile(r"^[^\s\x00-\x1f\x7f]{1,128}$")
 _FLOW_KEYS = frozenset({"start", "nodes", "edges"})
 _EDGE_KEYS = frozenset({"from", "to", "when"})
 _NODE_KEYS: dict[str, frozenset[str]] = {
@@ -484,6 +501,10 @@ def _normalize_agents(
                 )
         if approval:
             agents[agent_id]["approval"] = approval
+        # Remote MCP servers, kept only when some are listed (refs of older manifests stay).
+        servers = _normalize_mcp_servers(spec.get("mcp_servers"), f"{where}.mcp_servers", problems)
+        if servers:
+            agents[agent_id]["mcp_servers"] = servers
     # References are checked once every id is known, so order in the manifest is free.
     for agent_id, agent in agents.items():
         for index, sub in enumerate(agent["subagents"]):
@@ -493,6 +514,99 @@ def _normalize_agents(
             elif sub not in value:
                 problems.add(sub_field, f"subagent {sub!r} is not an agent of this package")
     return agents
+
+
+def mcp_url_problem(url: object) -> str | None:
+    """Why ``url`` cannot be an MCP server's address, or None. No credentials in it: the
+    manifest is shared, and the user's own credentials live in their connections."""
+    if not isinstance(url, str) or not url:
+        return "url is required: the server's Streamable HTTP endpoint"
+    if len(url) > MCP_MAX_URL_CHARS or _CONTROL_RE.search(url) or " " in url:
+        return f"url must be at most {MCP_MAX_URL_CHARS} characters without spaces"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError as exc:
+        return f"url is not a valid URL: {exc}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "url must be an http or https URL with a host"
+    if parts.username is not None or parts.password is not None:
+        return "url must not carry credentials: users connect with their own"
+    if parts.fragment:
+        return "url must not have a fragment"
+    return None
+
+
+def _mcp_tool_list(value: object, where: str, problems: _Problems) -> list[str]:
+    if not isinstance(value, list):
+        problems.add(where, "must be a list of tool names")
+        return []
+    out: list[str] = []
+    for index, item in enumerate(value):
+        if not isinstance(item, str) or not _MCP_TOOL_RE.match(item):
+            problems.add(f"{where}.{index}", f"not an MCP tool name: {item!r}")
+        elif item in out:
+            problems.add(f"{where}.{index}", f"tool {item!r} is listed twice")
+        else:
+            out.append(item)
+    return out
+
+
+def _normalize_mcp_servers(value: object, where: str, problems: _Problems) -> list[dict[str, Any]]:
+    """Validate an agent's ``mcp_servers``; return the valid entries with defaults filled
+    in (``approval`` "never", ``timeout_seconds`` 30; the optional lists only when given)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        problems.add(where, "mcp_servers must be a list of server objects")
+        return []
+    servers: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for index, spec in enumerate(value):
+        at = f"{where}.{index}"
+        if not isinstance(spec, Mapping):
+            problems.add(at, "an MCP server must be an object")
+            continue
+        _check_keys(spec, _MCP_KEYS, at, problems)
+        name = spec.get("name")
+        if not isinstance(name, str) or not SERVER_NAME_RE.match(name):
+            problems.add(f"{at}.name", "name must be 1-32 characters of a-z, 0-9, '_' or '-'")
+            continue
+        if name in names:
+            problems.add(f"{at}.name", f"MCP server {name!r} is listed twice")
+            continue
+        names.add(name)
+        entry: dict[str, Any] = {"name": name, "url": spec.get("url")}
+        reason = mcp_url_problem(entry["url"])
+        if reason is not None:
+            problems.add(f"{at}.url", reason)
+        timeout = spec.get("timeout_seconds", MCP_DEFAULT_TIMEOUT_SECONDS)
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 1 <= timeout <= MCP_MAX_TIMEOUT_SECONDS
+        ):
+            problems.add(
+                f"{at}.timeout_seconds",
+                f"timeout_seconds must be a number from 1 to {MCP_MAX_TIMEOUT_SECONDS}",
+            )
+            timeout = MCP_DEFAULT_TIMEOUT_SECONDS
+        entry["timeout_seconds"] = timeout
+        entry["approval"] = _mcp_approval(spec.get("approval", "never"), f"{at}.approval", problems)
+        for key in ("allowed_tools", "idempotent"):
+            if key in spec:
+                entry[key] = _mcp_tool_list(spec[key], f"{at}.{key}", problems)
+        servers.append(entry)
+    return servers
+
+
+def _mcp_approval(value: object, where: str, problems: _Problems) -> str | dict[str, list[str]]:
+    if value in ("never", "always"):
+        return value  # type: ignore[return-value]
+    if isinstance(value, Mapping) and set(value) == {"always"}:
+        return {"always": _mcp_tool_list(value["always"], f"{where}.always", problems)}
+    problems.add(where, 'approval must be "never", "always" or {"always": [tool, ...]}')
+    return "never"
 
 
 def _normalize_flows(

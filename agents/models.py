@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import json
 import uuid
 
 from django.conf import settings
 from django.db import models
 
+from pooling import crypto
 from scheduling.models import OwnedQuerySet
 
 
@@ -193,3 +195,77 @@ class ThreadMetadata(models.Model):
 
     def __str__(self) -> str:
         return f"metadata of thread {self.session_id}"
+
+
+class McpConnectionKind(models.TextChoices):
+    # ``Authorization: Bearer <token>`` on every request to the server.
+    BEARER = "bearer", "Bearer token"
+    # Headers the user chose (an API key header, several of them).
+    HEADERS = "headers", "Headers"
+
+
+class McpConnectionQuerySet(models.QuerySet):
+    def live(self) -> McpConnectionQuerySet:
+        """Connections not revoked."""
+        return self.filter(active=True)
+
+
+class McpConnection(models.Model):
+    """A user's credentials for one remote MCP server (by its normalised URL).
+
+    The secret (a JSON object: ``{"token"}`` or ``{"headers"}``) is Fernet-encrypted like
+    model records' keys, read and written through ``secret``; it is never returned, shown
+    or logged, and wiped when the connection is revoked.
+    """
+
+    objects = McpConnectionQuerySet.as_manager()
+
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="mcp_connections"
+    )
+    server_url = models.CharField(max_length=2000)
+    # SHA-256 of ``server_url``: a unique index on a 2000-character column does not fit
+    # MySQL's key length, its digest does.
+    server_key = models.CharField(max_length=64, editable=False)
+    kind = models.CharField(max_length=10, choices=McpConnectionKind.choices)
+    encrypted_secret = models.TextField(blank=True, default="")
+    # True while the connection is live, NULL once revoked: NULLs never collide, so one
+    # plain unique constraint keeps one live connection per (owner, server) and lets
+    # revoked ones accumulate on every database (MySQL has no partial indexes).
+    active = models.BooleanField(null=True, default=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["owner", "server_key", "active"], name="mcp_connection_one_live"
+            ),
+        ]
+        ordering = ["-updated_at"]
+
+    def __str__(self) -> str:
+        return f"{self.server_url} ({self.kind})"
+
+    @property
+    def secret(self) -> dict:
+        text = crypto.decrypt(self.encrypted_secret)
+        try:
+            value = json.loads(text) if text else {}
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    @secret.setter
+    def secret(self, value: dict) -> None:
+        self.encrypted_secret = crypto.encrypt(json.dumps(value)) if value else ""
+
+    def request_headers(self) -> dict[str, str]:
+        """The HTTP headers this connection adds to every request to its server."""
+        secret = self.secret
+        if self.kind == McpConnectionKind.BEARER:
+            token = secret.get("token")
+            return {"Authorization": f"Bearer {token}"} if token else {}
+        return {str(k): str(v) for k, v in (secret.get("headers") or {}).items()}

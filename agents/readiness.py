@@ -10,10 +10,13 @@ guessed, and strict mode (``SAGE_REQUIRE_READINESS``) treats it like a missing r
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agents.manifest import Manifest
+from agents.mcp.discovery import Discovery
+from agents.mcp.naming import tool_name
 from agents.skills import SkillRegistry
 from agents.tools import ToolRegistry
 from sageproject.errors import ValidationError
@@ -50,6 +53,10 @@ class ReadinessResult:
         return {**asdict(self), "scope": SCOPE}
 
 
+# (a manifest's MCP server entry) → what it lists for the checking user.
+McpCheck = Callable[[Mapping[str, Any]], Discovery]
+
+
 def _discovery_note(kind: str, errors: dict[str, str]) -> str:
     sources = ", ".join(f"{source} ({reason})" for source, reason in sorted(errors.items()))
     return f"{kind} discovery failed: {sources}"
@@ -61,8 +68,15 @@ def check_agent(
     tools: ToolRegistry,
     skills: SkillRegistry | None,
     model_names: set[str] | None,
+    mcp: McpCheck | None = None,
 ) -> dict[str, Any]:
-    """Return one agent's readiness report (see ``ReadinessResult.agents``); never raises."""
+    """Return one agent's readiness report (see ``ReadinessResult.agents``); never raises.
+
+    An agent with ``mcp_servers`` also gets ``mcp_servers`` (server name → the tools it
+    lists); a server that cannot be asked (not connected by the checking user,
+    unreachable, refusing the credentials; or ``mcp`` not given) is unverified, and an
+    ``allowed_tools`` entry the server does not list is a missing tool
+    (``mcp__<server>__<tool>``)."""
     missing_tools: list[str] = []
     missing_skills: list[str] = []
     unverified: list[str] = []
@@ -93,19 +107,35 @@ def check_agent(
         else:
             missing_skills.append(name)
 
+    servers: dict[str, list[str]] = {}
+    for server in agent.get("mcp_servers") or ():
+        found = (
+            mcp(server) if mcp is not None else Discovery(problem="MCP servers were not checked")
+        )
+        if found.problem is not None:
+            unverified.append(f"MCP server {server['name']!r}: {found.problem}")
+            continue
+        servers[server["name"]] = list(found.tools)
+        for name in server.get("allowed_tools") or ():
+            if name not in found.tools:
+                missing_tools.append(tool_name(server["name"], name))
+
     model = agent.get("model")
     if model_names is None:
         unverified.append(f"model record {model!r}: model records were not checked")
     elif model not in model_names:
         missing_model = model
 
-    return {
+    report = {
         "missing_tools": missing_tools,
         "missing_skills": missing_skills,
         "unverified": unverified,
         "missing_model": missing_model,
         "ready": not (missing_tools or missing_skills or unverified or missing_model),
     }
+    if agent.get("mcp_servers"):
+        report["mcp_servers"] = servers
+    return report
 
 
 def check_readiness(
@@ -115,6 +145,7 @@ def check_readiness(
     skills: SkillRegistry | None,
     model_names: set[str] | None,
     strict: bool,
+    mcp: McpCheck | None = None,
 ) -> ReadinessResult:
     """Check every agent of ``manifest`` against the registries; return a ``ReadinessResult``.
 
@@ -127,7 +158,7 @@ def check_readiness(
     """
     data = manifest.data
     agents = {
-        agent_id: check_agent(agent, tools=tools, skills=skills, model_names=model_names)
+        agent_id: check_agent(agent, tools=tools, skills=skills, model_names=model_names, mcp=mcp)
         for agent_id, agent in data["agents"].items()
     }
     flows: dict[str, dict[str, list[str]]] = {}

@@ -27,6 +27,13 @@ class ToolContext:
     session_id: str | None = None
     run_id: str | None = None
     extras: Mapping[str, Any] = field(default_factory=dict)
+    # The model's id of the call being made (the engine sets it per call).
+    call_id: str | None = None
+
+    @property
+    def idempotency_key(self) -> str:
+        """The same for every sending of one call (after a crash too): run and call ids."""
+        return f"{self.run_id}:{self.call_id}"
 
 
 ToolHandler = Callable[[dict[str, Any], ToolContext], Awaitable[str]]
@@ -38,6 +45,11 @@ class Tool:
     description: str
     parameters: dict[str, Any]
     handler: ToolHandler
+    # The handler caps its own output (with a marker the model sees): the engine's cut
+    # (`agents.engine.MAX_TOOL_OUTPUT_CHARS`) is not applied.
+    capped: bool = False
+    # The MCP server the tool comes from (spans and figures); None for the host's own.
+    server: str | None = None
 
 
 class ToolError(SageError):
@@ -45,6 +57,17 @@ class ToolError(SageError):
 
     def __init__(self, message: str) -> None:
         super().__init__("tool.failed", message)
+
+
+class ToolSuspends(SageError):
+    """A tool cannot act until the user does something (connect a server): the call is
+    answered as not run and the run suspends with an interaction of `interaction_type`
+    (plus `interaction`'s fields); a ``retry`` reply resumes it."""
+
+    interaction_type = "retry"
+
+    def interaction(self) -> dict[str, Any]:
+        return {}
 
 
 # --- calculator: safe arithmetic by parsing, never eval --------------------------------

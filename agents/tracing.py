@@ -365,9 +365,11 @@ class Tracing:
         description: str | None = None,
         conversation_id: str | None = None,
         run_id: str | None = None,
+        server: str | None = None,
     ) -> _NoSpan:
         """The span of one tool call, current while entered; ``failed(code)`` or
-        ``succeeded(output)`` says how it went when no exception does."""
+        ``succeeded(output)`` says how it went when no exception does. ``server``: the MCP
+        server of an MCP tool (``sage.mcp.server``)."""
         if self._tracer is None:
             return NO_SPAN
         attributes: dict[str, Any] = {
@@ -379,6 +381,8 @@ class Tracing:
             attributes["gen_ai.tool.call.id"] = call_id
         if description:
             attributes["gen_ai.tool.description"] = description
+        if server:
+            attributes["sage.mcp.server"] = server
         _identify(attributes, conversation_id, run_id)
         scope = self._start(f"execute_tool {name}", "INTERNAL", attributes, current=True)
         if scope._content and arguments is not None:

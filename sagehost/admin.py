@@ -410,8 +410,61 @@ class SageAdminSite(admin.AdminSite):
     def get_urls(self):
         return [
             path("capacity/", self.admin_view(self.capacity_view), name="capacity"),
+            path("mcp/", self.admin_view(self.mcp_view), name="mcp"),
             *super().get_urls(),
         ]
+
+    def mcp_view(self, request: HttpRequest) -> HttpResponse:
+        """Remote MCP servers: which active package versions use which (and how many users
+        connected each: never a secret), and the live workers' recent calls."""
+        from agents.mcp.transport import normalize_server_url
+        from agents.models import AgentPackage, McpConnection
+        from scheduling.models import WorkerSnapshot
+
+        connected = dict(
+            McpConnection.objects.live()
+            .values_list("server_url")
+            .annotate(n=Count("pk"))
+            .order_by()
+        )
+        servers = []
+        for package in AgentPackage.objects.filter(active=True).select_related("owner"):
+            for agent_id, agent in (package.manifest.get("agents") or {}).items():
+                for server in agent.get("mcp_servers") or ():
+                    try:
+                        url = normalize_server_url(server["url"])
+                    except Exception:  # a manifest saved before a rule changed
+                        url = str(server.get("url"))
+                    servers.append(
+                        {
+                            "package": package,
+                            "agent": agent_id,
+                            "name": server.get("name"),
+                            "url": url,
+                            "allowed": ", ".join(server.get("allowed_tools") or ()) or "all",
+                            "approval": server.get("approval", "never"),
+                            "connections": connected.get(url, 0),
+                        }
+                    )
+        calls = []
+        for snapshot in WorkerSnapshot.objects.live():
+            capacity = snapshot.capacity if isinstance(snapshot.capacity, dict) else {}
+            for call in _get(capacity, "executor", "mcp_sessions", "recent", default=[]) or ():
+                if isinstance(call, dict):
+                    calls.append({**call, "worker": snapshot.worker_id})
+        calls.sort(key=lambda c: str(c.get("at", "")), reverse=True)
+        calls = calls[:100]
+        names = _usernames({c.get("owner") for c in calls})
+        for call in calls:
+            call["owner_name"] = names.get(call.get("owner"), call.get("owner"))
+        context = {
+            **self.each_context(request),
+            "title": "MCP servers",
+            "servers": servers,
+            "calls": calls,
+            "connections": sum(connected.values()),
+        }
+        return TemplateResponse(request, "admin/mcp.html", context)
 
     def capacity_view(self, request: HttpRequest) -> HttpResponse:
         from agents.jobs.records import unfinished

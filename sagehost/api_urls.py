@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.urls import path
 from rest_framework.routers import DefaultRouter
 
-from agents.api import archives, capacity, packages, reclamations, runs, sessions
+from agents.api import archives, capacity, mcp, packages, reclamations, runs, sessions
 from agents.jobs.api import RunJobsView
 from pooling import api as pooling_api
 
@@ -17,6 +17,7 @@ router.register("sessions", sessions.SessionViewSet, basename="session")
 router.register("runs", runs.RunViewSet, basename="run")
 router.register("archives", archives.ArchiveViewSet, basename="archive")
 router.register("reclamations", reclamations.ReclamationViewSet, basename="reclamation")
+router.register("mcp-connections", mcp.McpConnectionViewSet, basename="mcpconnection")
 
 urlpatterns = [
     path("capacity", capacity.CapacityView.as_view(), name="capacity"),

@@ -258,6 +258,11 @@ FIGURE_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Tokens the provider reported, by model and type (input, output).",
         ("model", "type"),
     ),
+    figures.MCP_CALLS: (
+        "sage_mcp_calls",
+        "MCP tool calls, by server and outcome (ok, tool_error, timeout, unreachable, …).",
+        ("server", "outcome"),
+    ),
 }
 FIGURE_HISTOGRAMS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     figures.START_WAIT: (
@@ -274,6 +279,11 @@ FIGURE_HISTOGRAMS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "sage_model_first_token_seconds",
         "Seconds from a model request to its first streamed item.",
         ("model",),
+    ),
+    figures.MCP_CALL_SECONDS: (
+        "sage_mcp_call_seconds",
+        "Seconds an MCP tool call took (its wait for a call slot included), by server.",
+        ("server",),
     ),
 }
 

@@ -189,6 +189,31 @@ LIMITS: tuple[Limit, ...] = (
         meaning="seconds a `/lg/` run stream stays open; the SDK then reconnects with "
         "`Last-Event-ID` and loses nothing",
     ),
+    Limit(
+        name="SAGE_MCP_MAX_SESSIONS",
+        check_id="sageproject.E081",
+        default=64,
+        minimum=1,
+        meaning="open MCP client sessions per worker, one per (user, server, credentials); "
+        "the least recently used idle one is closed for a new one, and when all are in "
+        "use a run suspends with `mcp.session_pool_full`",
+    ),
+    Limit(
+        name="SAGE_MCP_MAX_CALLS_PER_USER",
+        check_id="sageproject.E082",
+        default=4,
+        minimum=1,
+        meaning="MCP tool calls of one user running at once per worker; a call waits for a "
+        "slot up to its server's `timeout_seconds`",
+    ),
+    Limit(
+        name="SAGE_MCP_MAX_OUTPUT_BYTES",
+        check_id="sageproject.E083",
+        default=65536,
+        minimum=1024,
+        meaning="an MCP tool result's UTF-8 bytes the model sees; beyond, it is cut with a "
+        "marker saying so",
+    ),
 )
 
 

@@ -12,6 +12,7 @@ run's life:
 - ``suspend.before_commit`` / ``suspend.after_commit``
 - ``finish.before_commit`` / ``finish.after_commit``
 - ``tool.started`` (a tool call's start is durable; its result is not yet)
+- ``mcp.call.sent`` (an MCP server answered a tool call; the answer is not durable yet)
 
 Django-free, so the engine can use it too.
 """

@@ -25,22 +25,25 @@ FENCE_REJECTIONS = "fence_rejections"  # {write}: a write of an execution refuse
 SUSPENSIONS = "suspensions"  # {code}: runs this worker suspended (committed)
 RATE_LIMITED = "rate_limited"  # {code}: executions ended by a RATE_LIMITED error
 MODEL_TOKENS = "model_tokens"  # {model, type}: tokens the provider reported, input and output
+MCP_CALLS = "mcp_calls"  # {server, outcome}: MCP tool calls (outcome ok, tool_error, timeout, …)
 
 # Histograms and their bucket upper bounds, in seconds.
 START_WAIT = "run_start_wait_seconds"  # {queue}: available (admitted, resumed) → claimed
 EXECUTION = "run_execution_seconds"  # {outcome}: claim → outcome committed, per execution
 FIRST_TOKEN = "model_first_token_seconds"  # {model}: request sent → first streamed item
+MCP_CALL_SECONDS = "mcp_call_seconds"  # {server}: an MCP tool call, slot wait included
 
 BUCKETS: dict[str, tuple[float, ...]] = {
     START_WAIT: (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900),
     EXECUTION: (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
     FIRST_TOKEN: (0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 30, 60),
+    MCP_CALL_SECONDS: (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 }
 
 # Label values the host does not choose (a model record's model name): past `MAX_SERIES`
 # label sets of one name, new values are counted as `OTHER`. The other labels take a few
 # values each (queues, outcomes, error codes, write kinds).
-OPEN_LABELS = frozenset({"model"})
+OPEN_LABELS = frozenset({"model", "server"})
 MAX_SERIES = 64
 OTHER = "other"
 

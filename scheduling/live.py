@@ -56,6 +56,9 @@ FULL_RETRY_SECONDS = 0.001
 # The live delta types stream clients receive, each with the payload field that holds its
 # text (split in halves when a message is too large for one notification).
 DELTA_TEXT = {"message.delta": "text", "tool_call.delta": "arguments"}
+# What a follower passes on live: the deltas, and a tool call's progress (an MCP server's
+# progress notifications: ``{"id", "name", "progress", "total", "message"}``).
+LIVE_TYPES = frozenset({*DELTA_TEXT, "tool.progress"})
 
 
 def live_dir() -> Path:
@@ -452,7 +455,7 @@ async def follow(
             read = message is None  # the poll interval passed: look at the database
             while message is not None:
                 kind = message.get("type")
-                if kind in DELTA_TEXT:
+                if kind in LIVE_TYPES:
                     quiet_since = loop.time()
                     yield Delta(kind, message.get("run"), message.get("payload") or {})
                 elif kind == "committed" and int(message.get("seq", 0)) > after:

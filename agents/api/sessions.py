@@ -96,7 +96,8 @@ class StreamEventSerializer(serializers.Serializer):
     events, and comment lines (``: keep-alive``, ``: dropped N deltas``)."""
 
     event = serializers.CharField(
-        help_text="The event type: a durable event's type, or message.delta / tool_call.delta."
+        help_text="The event type: a durable event's type, or message.delta / tool_call.delta "
+        "/ tool.progress."
     )
     data = serializers.CharField(
         help_text="One JSON object: a durable event as GET .../events/ gives it, or a delta "
@@ -232,7 +233,8 @@ class SessionViewSet(
 
 async def _event_stream(session_id: Any, after: int, seconds: float) -> AsyncIterator[bytes]:
     """The session as Server-Sent Events (`scheduling.live.follow`): durable events with
-    ``id`` = seq, live ``message.delta`` and ``tool_call.delta`` events without one (never
+    ``id`` = seq, live ``message.delta``, ``tool_call.delta`` and ``tool.progress`` (an MCP
+    tool call's progress) events without one (never
     persisted, so a reconnect with ``Last-Event-ID`` replays durable events and then joins
     the deltas), ``: dropped N deltas`` when this client read too slowly, and keep-alives.
     The first line, ``retry: 1000``, is sent once the stream is subscribed to the live

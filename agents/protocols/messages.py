@@ -572,8 +572,9 @@ class RunStream:
         return pieces
 
     def delta(self, kind: str, payload: Mapping[str, Any]) -> list[Part]:
-        """A live delta of the run (``message.delta`` / ``tool_call.delta``)."""
-        if not self.armed or self.broken:
+        """A live delta of the run (``message.delta`` / ``tool_call.delta``); other live
+        messages (``tool.progress``) are not part of LangGraph's message streams."""
+        if not self.armed or self.broken or kind not in ("message.delta", "tool_call.delta"):
             return []
         message_id = f"{self.run}:ai:{self.next_ai}"
         if kind == "message.delta":

@@ -15,8 +15,11 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from agents.manifest import Manifest, parse_manifest
+from agents.mcp.discovery import Discovery, discover
+from agents.mcp.transport import normalize_server_url
 from agents.models import AgentPackage, ReadinessReport, Visibility
 from agents.readiness import ReadinessResult, check_readiness, raise_if_not_ready
+from agents.services.mcp import mcp_credentials_sync
 from agents.skills import SkillRegistry
 from agents.tools import ToolRegistry, build_registry
 from sageproject.db import named_lock
@@ -83,8 +86,27 @@ def package_readiness(
         tools = default_tools if tools is None else tools
         skills = default_skills if skills is None else skills
     return check_readiness(
-        manifest, tools=tools, skills=skills, model_names=model_names(owner_id), strict=strict
+        manifest,
+        tools=tools,
+        skills=skills,
+        model_names=model_names(owner_id),
+        strict=strict,
+        mcp=mcp_check(owner_id),
     )
+
+
+def mcp_check(owner_id: int | None) -> Any:
+    """Readiness's MCP discovery as ``owner_id`` (the package's owner or the validating
+    user): their own connection's credentials, never another user's."""
+
+    def check(server: Any) -> Discovery:
+        url = normalize_server_url(server["url"])
+        headers = mcp_credentials_sync(owner_id, url) if owner_id is not None else None
+        if headers is None:
+            return Discovery(problem="not connected by the checking user")
+        return discover(server["name"], url, headers, float(server["timeout_seconds"]))
+
+    return check
 
 
 def save_report(package: AgentPackage, result: ReadinessResult) -> ReadinessReport:

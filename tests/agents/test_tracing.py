@@ -396,3 +396,14 @@ def test_a_bad_capture_setting_stops_start_up_with_its_own_check():
             "SAGE_OTEL_CAPTURE_CONTENT must be 1/0, true/false, yes/no or on/off (got 'maybe')",
         )
     ]
+
+
+def test_an_mcp_tool_span_names_its_server(spans):
+    traced = tracing.Tracing(spans.provider)
+    with traced.tool_call(name="mcp__crm__lookup", call_id="c1", server="crm") as span:
+        span.succeeded("ok")
+    tool = spans.one("execute_tool mcp__crm__lookup")
+    assert tool.attributes["sage.mcp.server"] == "crm"
+    with traced.tool_call(name="clock"):
+        pass
+    assert "sage.mcp.server" not in spans.one("execute_tool clock").attributes

@@ -191,6 +191,9 @@ def test_worker_families_come_from_recent_snapshots(metrics_dir):
     counted.observe(figures.START_WAIT, 0.003, queue="chat")
     counted.observe(figures.START_WAIT, 7, queue="chat")
     counted.observe(figures.FIRST_TOKEN, 0.25, model="gpt-x")
+    counted.count(figures.MCP_CALLS, server="crm", outcome="ok")
+    counted.count(figures.MCP_CALLS, server="crm", outcome="timeout")
+    counted.observe(figures.MCP_CALL_SECONDS, 0.04, server="crm")
     capacity = {
         "runs": {"active": 3},
         "executor": {
@@ -254,6 +257,8 @@ def test_worker_families_come_from_recent_snapshots(metrics_dir):
     assert got.value("sage_run_start_wait_seconds_count", **wait) == 2
     assert got.value("sage_run_start_wait_seconds_sum", **wait) == pytest.approx(7.003)
     assert got.value("sage_model_first_token_seconds_count", model="gpt-x", **live) == 1
+    assert got.value("sage_mcp_calls_total", server="crm", outcome="timeout", **live) == 1
+    assert got.value("sage_mcp_call_seconds_bucket", le="0.05", server="crm", **live) == 1
     assert got.types["sage_run_start_wait_seconds"] == "histogram"
     assert not got.series("sage_worker_runs_executing", worker="w-old")
     for name, kind in got.types.items():

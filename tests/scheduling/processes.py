@@ -49,6 +49,8 @@ DEFAULT_ENV = {
     "SAGE_SHUTDOWN_GRACE_SECONDS": "2",
     "LOG_LEVEL": "INFO",
     "PYTHONUNBUFFERED": "1",
+    # The tests' MCP servers listen on loopback, which the MCP policy refuses by default.
+    "SAGE_MCP_ALLOWED_HOSTS": "127.0.0.1",
 }
 # Inherited variables that must never reach a worker unless a test sets them.
 _CLEARED = ("SAGE_TEST_DB_NAME", "SAGE_CRASH_AT", "SAGE_STOP_AT")
