@@ -265,9 +265,12 @@ def test_a_suspended_run_keeps_its_sessions_turn(alice, make_session):
 
 
 def _a_transaction_waits_for_a_lock() -> bool:
-    """Whether a transaction on this test database waits for a lock, seen from this
-    thread's connection. SQLite has nothing to see and nothing to wait for: its writers
-    queue at ``BEGIN``, so an admission there reads after the finish either way."""
+    """Whether a transaction waits for a lock, seen from this thread's connection: on
+    PostgreSQL any on this test database, on MySQL one that waits for a lock this
+    connection's transaction holds (``innodb_trx`` joined to the process list missed the
+    waiting connection once other transactional tests had run). SQLite has nothing to see
+    and nothing to wait for: its writers queue at ``BEGIN``, so an admission there reads
+    after the finish either way."""
     vendor = connection.vendor
     with connection.cursor() as cursor:
         if vendor == "postgresql":
@@ -278,9 +281,9 @@ def _a_transaction_waits_for_a_lock() -> bool:
             )
         elif vendor == "mysql":
             cursor.execute(
-                "SELECT count(*) FROM information_schema.innodb_trx t"
-                " JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id"
-                " WHERE t.trx_state = 'LOCK WAIT' AND p.db = DATABASE()"
+                "SELECT count(*) FROM information_schema.innodb_lock_waits w"
+                " JOIN information_schema.innodb_trx t ON t.trx_id = w.blocking_trx_id"
+                " WHERE t.trx_mysql_thread_id = CONNECTION_ID()"
             )
         else:
             return True
