@@ -32,6 +32,7 @@ def oauth_callback(request: HttpRequest) -> HttpResponse:
             code=request.GET.get("code", ""),
             state=request.GET.get("state", ""),
             error=request.GET.get("error", ""),
+            user=request.user if request.user.is_authenticated else None,
         )
     except SageError as exc:
         if _wants_json(request):

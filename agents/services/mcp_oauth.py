@@ -206,20 +206,22 @@ async def mcp_oauth_begin(owner_id: int, run_id: Any, server_url: str) -> str | 
 
 
 # One refresh per (user, server) at a time in this worker: the others wait for its tokens.
-_refreshing: dict[tuple[int, str], asyncio.Lock] = {}
+# Keyed by event loop too: an asyncio lock belongs to the loop that first waits on it.
+_refreshing: dict[tuple[int, int, str], asyncio.Lock] = {}
 
 
 async def _refresh(owner_id: int, url: str, stale: str | None) -> dict[str, Any] | None:
     """Refresh ``owner_id``'s tokens for ``url`` unless another task already replaced
     ``stale`` (then theirs). Returns the new secret, or None (refused: revoked)."""
-    lock = _refreshing.setdefault((owner_id, url), asyncio.Lock())
+    loop = id(asyncio.get_running_loop())
+    lock = _refreshing.setdefault((loop, owner_id, url), asyncio.Lock())
     async with lock:
         secret = await db_call(_oauth_secret, owner_id, url)
         if secret is None:
             return None
         tokens = _tokens_of(secret)
-        if tokens.access_token != stale and not tokens.expired():
-            return secret  # refreshed while this task waited
+        if tokens.access_token != stale:
+            return secret  # refreshed while this task waited: one refresh, not one each
         client = await db_call(_client_read, secret.get("client", ""))
         if client is None or not tokens.refresh_token:
             await db_call(_oauth_revoke, owner_id, url, tokens.access_token)
@@ -272,14 +274,15 @@ async def mcp_oauth_refused(owner_id: int, server_url: str, headers: Mapping[str
 # --- the callback's half -------------------------------------------------------------
 
 
-def _take_pending(state: str) -> McpOAuthPending:
-    """The pending authorization of ``state``, deleted (single use). Raises
+def _take_pending(state: str, user: Any) -> McpOAuthPending:
+    """The pending authorization of ``state``, deleted (single use). A signed-in
+    ``user`` must be its owner (another user's is left alone). Raises
     ``mcp.oauth_state_invalid``."""
     if not state or len(state) > 500:
         raise _state_invalid()
     with transaction.atomic():
         row = McpOAuthPending.objects.select_for_update().filter(state_hash=_digest(state)).first()
-        if row is None:
+        if row is None or (user is not None and row.owner_id != user.pk):
             raise _state_invalid()
         row.delete()
     if row.expires_at <= timezone.now():
@@ -308,15 +311,19 @@ def _resume(run_id: Any, server_url: str) -> bool:
     return True
 
 
-def mcp_oauth_callback(*, code: str, state: str, error: str = "") -> dict[str, Any]:
+def mcp_oauth_callback(
+    *, code: str, state: str, error: str = "", user: Any = None
+) -> dict[str, Any]:
     """Finish the authorization of ``state``: exchange ``code``, save the tokens as the
     user's connection, resume the run. Returns ``{"server_url", "run", "resumed"}``.
+    The browser often carries no credentials: the unguessable, single-use state binds
+    the request; when it does carry a signed-in ``user``, the state must be theirs.
 
     Raises ``mcp.oauth_state_invalid`` (400: unknown, expired or used state),
     ``mcp.oauth_denied`` (400: the user or the server refused) and
     ``mcp.oauth_exchange_failed`` (502).
     """
-    pending = _take_pending(state)
+    pending = _take_pending(state, user)
     if error or not code:
         raise ValidationError(
             "mcp.oauth_denied", "the authorization was refused; start again from the run"

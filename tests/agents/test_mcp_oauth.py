@@ -6,6 +6,7 @@ test calls our ``/mcp/oauth/callback`` with its code and state."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -20,6 +21,7 @@ from agents import services
 from agents.models import McpConnection, McpOAuthClient, McpOAuthPending
 from agents.services import packages
 from agents.services.mcp import mcp_connection_revoke
+from agents.services.mcp_oauth import mcp_oauth_credentials
 from scheduling.models import Event, Run, RunStatus
 from tests.agents.mcp_oauth_fixtures import OAuthTestServer
 from tests.conftest import client_for, scripted_model
@@ -275,3 +277,34 @@ def test_no_token_is_ever_shown_or_stored_in_clear(alice, oauth_server, start_wo
             shown.append(repr(cursor.fetchall()).encode())
     for secret in secrets:
         assert all(secret.encode() not in text for text in shown), secret
+
+
+def test_a_signed_in_user_cannot_use_another_users_state(alice, bob, oauth_server, start_worker):
+    start_worker()
+    run = ends(submit(alice, session_of(alice, oauth_server.url, WHOAMI)), RunStatus.SUSPENDED)
+    params = authorize(oauth_server, run.interaction["authorization_url"], "alice")
+    browser = Client()
+    browser.force_login(bob)
+    refused = browser.get("/mcp/oauth/callback", params, HTTP_ACCEPT="application/json")
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "mcp.oauth_state_invalid"
+    assert not McpConnection.objects.exists()
+    assert callback(params).status_code == 200  # alice's own browser still can
+    assert McpConnection.objects.get().owner == alice
+
+
+def test_concurrent_refreshes_of_one_user_and_server_coalesce(alice, oauth_server, start_worker):
+    start_worker()
+    oauth_server.provider.ttl = 5  # within the refresh margin: every read wants a refresh
+    run = submit(alice, session_of(alice, oauth_server.url, WHOAMI, {"text": "ok"}))
+    ends(connect(oauth_server, run, "alice"))
+    before = oauth_server.provider.grants.count("refresh_token")
+
+    async def five_reads():
+        return await asyncio.gather(
+            *(mcp_oauth_credentials(alice.pk, oauth_server.url) for _ in range(5))
+        )
+
+    headers = asyncio.run(five_reads())
+    assert oauth_server.provider.grants.count("refresh_token") == before + 1
+    assert len({h["Authorization"] for h in headers}) == 1
