@@ -152,12 +152,24 @@ async def _send(client: httpx2.AsyncClient, request: httpx2.Request) -> httpx2.R
         ) from None
 
 
-async def discover(server_url: str, *, challenge: httpx2.Response | None = None) -> Server | None:
+async def _challenge(client: httpx2.AsyncClient, server_url: str) -> str | None:
+    """Where an unauthenticated request's 401 says the resource metadata is (RFC 9728
+    ``WWW-Authenticate: Bearer resource_metadata=...``), if it says."""
+    probe = httpx2.Request("GET", server_url, headers={"Accept": "text/event-stream"})
+    response = await _send(client, probe)
+    await response.aclose()
+    if response.status_code != 401:
+        return None
+    return extract_resource_metadata_from_www_auth(response)
+
+
+async def discover(server_url: str) -> Server | None:
     """The OAuth metadata of ``server_url``, or None when it publishes none (it takes
-    static credentials). ``challenge``: a 401 whose ``WWW-Authenticate`` names the
-    resource metadata. Raises `OAuthError` when the metadata is there but unusable."""
-    hinted = extract_resource_metadata_from_www_auth(challenge) if challenge else None
+    static credentials): the resource metadata its 401 names, else the well-known URLs,
+    then its authorization server's metadata. Raises `OAuthError` when the metadata is
+    there but unusable."""
     async with http_client(server_url, timeout=HTTP_TIMEOUT) as client:
+        hinted = await _challenge(client, server_url)
         resource = None
         for url in build_protected_resource_metadata_discovery_urls(hinted, server_url):
             resource = await handle_protected_resource_response(

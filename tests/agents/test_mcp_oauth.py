@@ -36,9 +36,7 @@ WHOAMI = {"text": "", "tool_calls": [{"name": "mcp__crm__whoami", "arguments": {
 
 
 @pytest.fixture(name="oauth_server")
-def oauth_server_fixture(settings):
-    # The outbound policy's allowed hosts (loopback is refused by default).
-    settings.SAGE = {**settings.SAGE, "SAGE_MCP_ALLOWED_HOSTS": ["127.0.0.1"]}
+def oauth_server_fixture():
     server = OAuthTestServer().start()
     yield server
     server.stop()
