@@ -121,6 +121,9 @@ def test_it_suspends_with_an_authorization_url(alice, oauth_server, start_worker
     assert query["code_challenge_method"] == ["S256"] and len(query["code_challenge"][0]) >= 43
     assert len(query["state"][0]) >= 32
     assert query["redirect_uri"] == ["http://localhost:8000/mcp/oauth/callback"]
+    # The REST API shows the same interaction (the reply path is the usual one).
+    shown = client_for(alice).get(f"/api/v1/runs/{run.pk}/").json()["interaction"]
+    assert shown["authorization_url"] == interaction["authorization_url"]
     # One registration per authorization server, one pending authorization per request.
     assert McpOAuthClient.objects.count() == 1
     assert McpOAuthPending.objects.filter(owner=alice, run=run).count() == 1
