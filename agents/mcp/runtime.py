@@ -12,7 +12,9 @@ timeout), carries its idempotency key in ``_meta`` (``sage/idempotency_key``: ru
 tool-call id), shows the server's progress notifications as live ``tool.progress``
 messages, and caps the output at `max_output_bytes` with a marker the model sees. A tool's
 own error (``isError``) is a failed tool result; a server that refuses the credentials
-(401) raises `McpAuthRequired` (the run suspends until the user connects); a timeout or a
+(401) raises `McpAuthRequired` (the run suspends until the user connects) unless the
+``refused`` callable saved new credentials (an OAuth refresh): then the refused request,
+which the server never acted on, is sent once more with them; a timeout or a
 lost connection is a failed result saying what happened — after a timeout the effect is
 unknown, and the model is told so.
 """

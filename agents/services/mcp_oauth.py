@@ -127,9 +127,10 @@ def _tokens_write(owner_id: int, url: str, secret: dict[str, Any]) -> None:
             continue
 
 
-def _oauth_revoke(owner_id: int, url: str, access_token: str) -> None:
+def _oauth_revoke(owner_id: int, url: str, access_token: str) -> dict[str, Any] | None:
     """Revoke the OAuth connection whose access token is ``access_token`` (a refused
-    refresh): the next run asks the user to authorize again."""
+    refresh): the next run asks the user to authorize again. Returns the secret saved
+    meanwhile instead (another worker refreshed first, the user authorized again)."""
     with transaction.atomic():
         row = (
             McpConnection.objects.select_for_update()
@@ -137,13 +138,14 @@ def _oauth_revoke(owner_id: int, url: str, access_token: str) -> None:
             .first()
         )
         if row is None or row.kind != McpConnectionKind.OAUTH:
-            return
+            return None
         if row.secret.get("access_token") != access_token:
-            return  # saved anew meanwhile (the user authorized again)
+            return row.secret
         row.active = None
         row.revoked_at = timezone.now()
         row.secret = {}
         row.save(update_fields=["active", "revoked_at", "encrypted_secret", "updated_at"])
+    return None
 
 
 def _secret(tokens: oauth.Tokens, flow: Mapping[str, Any]) -> dict[str, Any]:
@@ -212,7 +214,9 @@ _refreshing: dict[tuple[int, int, str], asyncio.Lock] = {}
 
 async def _refresh(owner_id: int, url: str, stale: str | None) -> dict[str, Any] | None:
     """Refresh ``owner_id``'s tokens for ``url`` unless another task already replaced
-    ``stale`` (then theirs). Returns the new secret, or None (refused: revoked)."""
+    ``stale`` (then theirs). Returns the new secret, or None (refused: revoked). One
+    lock per worker; across workers, a refresh refused because another rotated the
+    token first takes the other's tokens."""
     loop = id(asyncio.get_running_loop())
     lock = _refreshing.setdefault((loop, owner_id, url), asyncio.Lock())
     async with lock:
@@ -224,8 +228,7 @@ async def _refresh(owner_id: int, url: str, stale: str | None) -> dict[str, Any]
             return secret  # refreshed while this task waited: one refresh, not one each
         client = await db_call(_client_read, secret.get("client", ""))
         if client is None or not tokens.refresh_token:
-            await db_call(_oauth_revoke, owner_id, url, tokens.access_token)
-            return None
+            return await db_call(_oauth_revoke, owner_id, url, tokens.access_token)
         server = oauth.Server.from_json(secret["server"])
         try:
             fresh = await oauth.refresh(server, client, secret["redirect_uri"], tokens)
@@ -237,8 +240,8 @@ async def _refresh(owner_id: int, url: str, stale: str | None) -> dict[str, Any]
                     "the MCP server's authorization server could not be reached",
                     retryable=True,
                 ) from None
-            await db_call(_oauth_revoke, owner_id, url, tokens.access_token)
-            return None
+            # A rotated refresh token another worker used first is refused too: theirs.
+            return await db_call(_oauth_revoke, owner_id, url, tokens.access_token)
         secret = _secret(fresh, secret)
         await db_call(_tokens_write, owner_id, url, secret)
         return secret
