@@ -146,7 +146,7 @@ class Call:
 
 
 class OAuthTestServer:
-    def __init__(self, *, ttl: int = 3600) -> None:
+    def __init__(self, *, ttl: int = 3600, registration: bool = True) -> None:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -161,7 +161,7 @@ class OAuthTestServer:
             auth=AuthSettings(
                 issuer_url=base,
                 resource_server_url=self.url,
-                client_registration_options=ClientRegistrationOptions(enabled=True),
+                client_registration_options=ClientRegistrationOptions(enabled=registration),
                 validate_token_resource=False,
             ),
         )

@@ -309,3 +309,26 @@ def test_concurrent_refreshes_of_one_user_and_server_coalesce(alice, oauth_serve
     headers = asyncio.run(five_reads())
     assert oauth_server.provider.grants.count("refresh_token") == before + 1
     assert len({h["Authorization"] for h in headers}) == 1
+
+
+def test_a_denied_authorization_is_a_400(alice, oauth_server, start_worker):
+    start_worker()
+    run = ends(submit(alice, session_of(alice, oauth_server.url, WHOAMI)), RunStatus.SUSPENDED)
+    params = authorize(oauth_server, run.interaction["authorization_url"], "alice")
+    response = callback({"state": params["state"], "error": "access_denied"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "mcp.oauth_denied"
+    assert callback(params).status_code == 400  # the state was used up
+
+
+def test_without_dynamic_registration_the_run_asks_for_a_connection(alice, start_worker):
+    server = OAuthTestServer(registration=False).start()
+    try:
+        start_worker()
+        run = submit(alice, session_of(alice, server.url, WHOAMI))
+        interaction = ends(run, RunStatus.SUSPENDED).interaction
+        assert interaction["code"] == "mcp.auth_required"
+        assert "authorization_url" not in interaction
+        assert not McpOAuthPending.objects.exists()
+    finally:
+        server.stop()
