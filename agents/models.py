@@ -216,9 +216,10 @@ class McpConnectionQuerySet(models.QuerySet):
 class McpConnection(models.Model):
     """A user's credentials for one remote MCP server (by its normalised URL).
 
-    The secret (a JSON object: ``{"token"}`` or ``{"headers"}``) is Fernet-encrypted like
-    model records' keys, read and written through ``secret``; it is never returned, shown
-    or logged, and wiped when the connection is revoked.
+    The secret (a JSON object: ``{"token"}``, ``{"headers"}``, or an OAuth connection's
+    tokens and authorization server, `agents.services.mcp_oauth`) is Fernet-encrypted
+    like model records' keys, read and written through ``secret``; it is never returned,
+    shown or logged, and wiped when the connection is revoked.
     """
 
     objects = McpConnectionQuerySet.as_manager()

@@ -20,7 +20,6 @@ from django.test import Client
 from agents import services
 from agents.models import McpConnection, McpOAuthClient, McpOAuthPending
 from agents.services import packages
-from agents.services.mcp import mcp_connection_revoke
 from agents.services.mcp_oauth import mcp_oauth_credentials
 from scheduling.models import Event, Run, RunStatus
 from tests.agents.mcp_oauth_fixtures import OAuthTestServer
@@ -187,7 +186,9 @@ def test_revoking_the_connection_asks_again(alice, oauth_server, start_worker):
     session = session_of(alice, oauth_server.url, WHOAMI, {"text": "ok"})
     ends(connect(oauth_server, submit(alice, session), "alice"))
     row = McpConnection.objects.get(owner=alice)
-    mcp_connection_revoke(user=alice, connection_id=row.pk)
+    listed = client_for(alice).get("/api/v1/mcp-connections/").json()
+    assert [(c["id"], c["kind"]) for c in listed["results"]] == [(row.pk, "oauth")]
+    assert client_for(alice).delete(f"/api/v1/mcp-connections/{row.pk}/").status_code == 204
     row.refresh_from_db()
     assert row.encrypted_secret == ""
     run = ends(submit(alice, another_session(alice)), RunStatus.SUSPENDED)
