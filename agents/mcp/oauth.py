@@ -47,7 +47,11 @@ from mcp.shared.auth import (
     OAuthToken,
     ProtectedResourceMetadata,
 )
-from mcp.shared.auth_utils import calculate_token_expiry
+from mcp.shared.auth_utils import (
+    calculate_token_expiry,
+    check_resource_allowed,
+    resource_url_from_server_url,
+)
 
 from agents.mcp.transport import http_client
 
@@ -179,6 +183,12 @@ async def discover(server_url: str) -> Server | None:
                 break
         if resource is None:
             return None
+        # RFC 8707 / the SDK's rule: the metadata must describe this server (or a parent).
+        expected = resource_url_from_server_url(server_url)
+        if not check_resource_allowed(
+            requested_resource=expected, configured_resource=str(resource.resource)
+        ):
+            raise OAuthError("the protected-resource metadata describes another server")
         issuer = str(resource.authorization_servers[0])
         metadata = None
         for url in build_oauth_authorization_server_metadata_discovery_urls(issuer, server_url):
