@@ -20,6 +20,7 @@ from agents.models import (
     AgentPackage,
     ManagedAgentRecord,
     McpConnection,
+    McpOAuthClient,
     ReadinessReport,
     ReclamationRequest,
     Visibility,
@@ -419,3 +420,21 @@ class McpConnectionAdmin(admin.ModelAdmin):
             mcp_connection_revoke(user=request.user, connection_id=row.pk, operator=True)
             count += 1
         self.message_user(request, f"revoked {count} connection(s)", messages.SUCCESS)
+
+
+@admin.register(McpOAuthClient)
+class McpOAuthClientAdmin(admin.ModelAdmin):
+    """Our client's registrations with MCP servers' authorization servers (one per
+    issuer, shared by every user; the client information is never shown). Delete one the
+    authorization server forgot: the next authorization registers again."""
+
+    list_display = ["issuer", "created_at"]
+    search_fields = ["issuer"]
+    fields = ["issuer", "created_at"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False

@@ -56,9 +56,13 @@ from agents.jobs.reconcile import poll_cancel_requests
 from agents.jobs.records import JobEventRecorder
 from agents.jobs.runtime import build_job_runtime
 from agents.jobs.tools import JOB_TOOLS
-from agents.mcp.runtime import NO_TOOLS, McpRuntime, McpTools
+from agents.mcp.runtime import NO_TOOLS, McpAuthRequired, McpRuntime, McpTools
 from agents.services import reclamations
-from agents.services.mcp import mcp_credentials_sync
+from agents.services.mcp_oauth import (
+    mcp_oauth_begin,
+    mcp_oauth_credentials,
+    mcp_oauth_refused,
+)
 from agents.tools import ToolContext, ToolRegistry, ToolSuspends, build_registry
 from agents.tracing import Tracing
 from pooling import providers
@@ -367,7 +371,8 @@ class RunExecutor:
         self.metrics = Figures()
         # Remote MCP servers' tools: sessions per (user, server, credentials), call slots.
         self.mcp = mcp or McpRuntime(
-            credentials=lambda owner_id, url: db_call(mcp_credentials_sync, owner_id, url),
+            credentials=mcp_oauth_credentials,
+            refused=mcp_oauth_refused,
             max_sessions=sage["SAGE_MCP_MAX_SESSIONS"],
             max_calls_per_user=sage["SAGE_MCP_MAX_CALLS_PER_USER"],
             max_output_bytes=sage["SAGE_MCP_MAX_OUTPUT_BYTES"],
@@ -771,6 +776,8 @@ class RunExecutor:
         except ApprovalRequired as exc:
             return await writer.outcome(self._approval(exc, prepared))
         except ToolSuspends as exc:
+            if isinstance(exc, McpAuthRequired):
+                exc.authorization_url = await self._mcp_authorization(exc, prepared)
             return await writer.outcome(self._suspension(exc, prepared))
         except SageError as exc:
             if exc.code in SUSPENDING_CODES:
@@ -796,6 +803,15 @@ class RunExecutor:
                 flow_outputs=flow_outputs,
             )
         )
+
+    async def _mcp_authorization(self, exc: McpAuthRequired, prepared: PreparedRun) -> str | None:
+        """The URL where the user authorizes a server that uses OAuth (None: it does not,
+        or its authorization server failed: the run still asks for a connection)."""
+        try:
+            return await mcp_oauth_begin(prepared.owner_id, prepared.run_id, exc.url)
+        except Exception as error:  # never lose the suspension to a failed discovery
+            logger.warning("MCP OAuth for %s could not start: %s", exc.server, error)
+            return None
 
     async def _mcp_tools(self, entry: PreparedAgent, prepared: PreparedRun) -> McpTools:
         """The agent's MCP tools for this run's user (none without ``mcp_servers``)."""

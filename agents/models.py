@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import Any
 
 from django.conf import settings
 from django.db import models
@@ -202,6 +203,8 @@ class McpConnectionKind(models.TextChoices):
     BEARER = "bearer", "Bearer token"
     # Headers the user chose (an API key header, several of them).
     HEADERS = "headers", "Headers"
+    # OAuth 2.1 tokens from the server's authorization server (refreshed by the worker).
+    OAUTH = "oauth", "OAuth"
 
 
 class McpConnectionQuerySet(models.QuerySet):
@@ -213,9 +216,10 @@ class McpConnectionQuerySet(models.QuerySet):
 class McpConnection(models.Model):
     """A user's credentials for one remote MCP server (by its normalised URL).
 
-    The secret (a JSON object: ``{"token"}`` or ``{"headers"}``) is Fernet-encrypted like
-    model records' keys, read and written through ``secret``; it is never returned, shown
-    or logged, and wiped when the connection is revoked.
+    The secret (a JSON object: ``{"token"}``, ``{"headers"}``, or an OAuth connection's
+    tokens and authorization server, `agents.services.mcp_oauth`) is Fernet-encrypted
+    like model records' keys, read and written through ``secret``; it is never returned,
+    shown or logged, and wiped when the connection is revoked.
     """
 
     objects = McpConnectionQuerySet.as_manager()
@@ -265,7 +269,67 @@ class McpConnection(models.Model):
     def request_headers(self) -> dict[str, str]:
         """The HTTP headers this connection adds to every request to its server."""
         secret = self.secret
+        if self.kind == McpConnectionKind.OAUTH:
+            token = secret.get("access_token")
+            return {"Authorization": f"Bearer {token}"} if token else {}
         if self.kind == McpConnectionKind.BEARER:
             token = secret.get("token")
             return {"Authorization": f"Bearer {token}"} if token else {}
         return {str(k): str(v) for k, v in (secret.get("headers") or {}).items()}
+
+
+class _EncryptedJson:
+    """A JSON object kept Fernet-encrypted in ``encrypted_<name>`` (never shown)."""
+
+    def __init__(self, column: str) -> None:
+        self.column = column
+
+    def __get__(self, row: Any, owner: Any = None) -> Any:
+        if row is None:
+            return self
+        text = crypto.decrypt(getattr(row, self.column))
+        try:
+            value = json.loads(text) if text else {}
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    def __set__(self, row: Any, value: dict) -> None:
+        setattr(row, self.column, crypto.encrypt(json.dumps(value)) if value else "")
+
+
+class McpOAuthClient(models.Model):
+    """Our client's registration with one OAuth authorization server (dynamic client
+    registration), shared by every user: one per (issuer, redirect URI). The client
+    information (id, secret if any) is encrypted."""
+
+    # SHA-256 of issuer and redirect URI (a unique index on long URLs does not fit MySQL).
+    key = models.CharField(max_length=64, unique=True)
+    issuer = models.CharField(max_length=2000)
+    encrypted_info = models.TextField(blank=True, default="")
+    info = _EncryptedJson("encrypted_info")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.issuer
+
+
+class McpOAuthPending(models.Model):
+    """An authorization a run is waiting for: the user opened (or will open) the
+    authorization URL; the callback finds this row by its state (only the state's digest
+    is kept), exchanges the code with the encrypted PKCE verifier, and deletes it."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    run = models.ForeignKey(
+        "scheduling.Run", on_delete=models.CASCADE, null=True, blank=True, related_name="+"
+    )
+    server_url = models.CharField(max_length=2000)
+    state_hash = models.CharField(max_length=64, unique=True)
+    # {"verifier", "server": discovery, "client": McpOAuthClient key, "redirect_uri"}
+    encrypted_flow = models.TextField(blank=True, default="")
+    flow = _EncryptedJson("encrypted_flow")
+    expires_at = models.DateTimeField(db_index=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.server_url

@@ -6,6 +6,7 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from agents.api.mcp_oauth import oauth_callback
 from sagehost import metrics, views
 
 urlpatterns = [
@@ -19,6 +20,7 @@ urlpatterns = [
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
     path("metrics", metrics.metrics_view, name="metrics"),
+    path("mcp/oauth/callback", oauth_callback, name="mcp-oauth-callback"),
 ]
 
 handler400 = "sageproject.api.bad_request"

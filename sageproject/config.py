@@ -402,6 +402,14 @@ DESCRIBED: tuple[Described, ...] = (
         meaning="skill directories",
     ),
     Described(
+        name="SAGE_MCP_OAUTH_REDIRECT_URL",
+        default="`http://localhost:8000/mcp/oauth/callback`",
+        rule="this host's public URL of `/mcp/oauth/callback`",
+        read_by="sageproject/settings.py",
+        meaning="the redirect URI registered with MCP servers' OAuth authorization servers: "
+        "where the user's browser comes back after approving",
+    ),
+    Described(
         name="SECRET_KEY",
         default="generated",
         rule="any string",

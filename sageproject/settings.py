@@ -160,6 +160,11 @@ SAGE_TOOL_MODULES = [
 SAGE_SKILL_DIRS = [
     d.strip() for d in os.environ.get("SAGE_SKILL_DIRS", "").split(os.pathsep) if d.strip()
 ]
+# Where MCP servers' authorization servers send the browser back: this host's public
+# /mcp/oauth/callback (registered with each authorization server as our redirect URI).
+SAGE_MCP_OAUTH_REDIRECT_URL = os.environ.get(
+    "SAGE_MCP_OAUTH_REDIRECT_URL", "http://localhost:8000/mcp/oauth/callback"
+).strip()
 
 LOGGING = {
     "version": 1,

@@ -12,7 +12,9 @@ timeout), carries its idempotency key in ``_meta`` (``sage/idempotency_key``: ru
 tool-call id), shows the server's progress notifications as live ``tool.progress``
 messages, and caps the output at `max_output_bytes` with a marker the model sees. A tool's
 own error (``isError``) is a failed tool result; a server that refuses the credentials
-(401) raises `McpAuthRequired` (the run suspends until the user connects); a timeout or a
+(401) raises `McpAuthRequired` (the run suspends until the user connects) unless the
+``refused`` callable saved new credentials (an OAuth refresh): then the refused request,
+which the server never acted on, is sent once more with them; a timeout or a
 lost connection is a failed result saying what happened — after a timeout the effect is
 unknown, and the model is told so.
 """
@@ -25,7 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -47,6 +49,9 @@ CALL_SENT_POINT = "mcp.call.sent"
 # (owner id, normalised URL) → the connection's request headers, or None (not connected).
 Credentials = Callable[[int, str], Awaitable[Mapping[str, str] | None]]
 Publish = Callable[[dict[str, Any]], None]
+# (owner id, normalised URL, the refused headers) → True when new credentials were saved
+# (an OAuth refresh): the refused request is tried once more with them.
+Refused = Callable[[int, str, Mapping[str, str]], Awaitable[bool]]
 
 
 class McpAuthRequired(ToolSuspends):
@@ -65,9 +70,14 @@ class McpAuthRequired(ToolSuspends):
         )
         self.server = server
         self.url = url
+        # Where the user authorizes, for a server that uses OAuth (set by the executor).
+        self.authorization_url: str | None = None
 
     def interaction(self) -> dict[str, Any]:
-        return {"server": self.server, "url": self.url}
+        found = {"server": self.server, "url": self.url}
+        if self.authorization_url:
+            found["authorization_url"] = self.authorization_url
+        return found
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,9 +131,11 @@ class McpRuntime:
         max_output_bytes: int = 65536,
         publish: Publish | None = None,
         metrics: Figures | None = None,
+        refused: Refused | None = None,
     ) -> None:
         self.pool = McpSessionPool(max_sessions=max_sessions)
         self.credentials = credentials
+        self.refused = refused
         self.max_calls_per_user = max_calls_per_user
         self.max_output_bytes = max_output_bytes
         self.publish = publish
@@ -141,9 +153,16 @@ class McpRuntime:
         idempotent: set[str] = set()
         for server in servers:
             spec = await self._spec(owner_id, server)
-            lease = await self._lease(owner_id, spec)
-            async with lease:
-                listed = await self._guarded(lease, spec, lease.provider.list_tools())
+            for attempt in range(2):
+                try:
+                    lease = await self._lease(owner_id, spec)
+                    async with lease:
+                        listed = await self._guarded(lease, spec, lease.provider.list_tools())
+                    break
+                except McpAuthRequired:
+                    if attempt or not await self._renewed(owner_id, spec):
+                        raise
+                    spec = await self._respec(owner_id, spec)
             allowed = server.get("allowed_tools")
             rule = server.get("approval", "never")
             for remote in listed:
@@ -172,6 +191,16 @@ class McpRuntime:
             headers=dict(headers),
             timeout=float(server.get("timeout_seconds", 30)),
         )
+
+    async def _renewed(self, owner_id: int, spec: SessionSpec) -> bool:
+        """Whether the refused credentials were replaced (an OAuth token refreshed)."""
+        return self.refused is not None and await self.refused(owner_id, spec.url, spec.headers)
+
+    async def _respec(self, owner_id: int, spec: SessionSpec) -> SessionSpec:
+        headers = await self.credentials(owner_id, spec.url)
+        if headers is None:
+            raise McpAuthRequired(spec.server, spec.url)
+        return replace(spec, headers=dict(headers))
 
     async def _lease(self, owner_id: int, spec: SessionSpec) -> Any:
         try:
@@ -241,19 +270,27 @@ class McpRuntime:
                     f"already running for {spec.timeout:g} s"
                 ) from None
             try:
-                lease = await self._lease(owner_id, spec)
-                async with lease:
-                    result = await self._guarded(
-                        lease,
-                        spec,
-                        lease.provider.call_tool(
-                            remote,
-                            arguments,
-                            seconds=spec.timeout,
-                            meta={IDEMPOTENCY_META_KEY: ctx.idempotency_key},
-                            progress=self._progress(ctx, name),
-                        ),
-                    )
+                for attempt in range(2):
+                    try:
+                        lease = await self._lease(owner_id, spec)
+                        async with lease:
+                            result = await self._guarded(
+                                lease,
+                                spec,
+                                lease.provider.call_tool(
+                                    remote,
+                                    arguments,
+                                    seconds=spec.timeout,
+                                    meta={IDEMPOTENCY_META_KEY: ctx.idempotency_key},
+                                    progress=self._progress(ctx, name),
+                                ),
+                            )
+                        break
+                    except McpAuthRequired:
+                        # A 401 is answered before the server acts: safe to send again.
+                        if attempt or not await self._renewed(owner_id, spec):
+                            raise
+                        spec = await self._respec(owner_id, spec)
             finally:
                 slot.release()
             # The server acted; what follows makes its answer durable (fault tests kill here).
