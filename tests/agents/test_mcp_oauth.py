@@ -22,6 +22,7 @@ from agents.models import McpConnection, McpOAuthClient, McpOAuthPending
 from agents.services import packages
 from agents.services.mcp_oauth import mcp_oauth_credentials
 from scheduling.models import Event, Run, RunStatus
+from tests.agents.mcp_fixtures import allow_loopback
 from tests.agents.mcp_oauth_fixtures import OAuthTestServer
 from tests.conftest import client_for, scripted_model
 from tests.e2e import conftest as e2e
@@ -32,6 +33,12 @@ pytestmark = [pytest.mark.storage, pytest.mark.django_db(transaction=True)]
 start_worker = e2e.start_worker  # the fixture: a real worker in a thread
 
 WHOAMI = {"text": "", "tool_calls": [{"name": "mcp__crm__whoami", "arguments": {}}]}
+
+
+@pytest.fixture(autouse=True)
+def _loopback_allowed(monkeypatch):
+    """The MCP and authorization servers listen on 127.0.0.1, refused by default."""
+    allow_loopback(monkeypatch)
 
 
 @pytest.fixture(name="oauth_server")
