@@ -27,6 +27,7 @@ OVERHEAD_KEYS = {
     "sage",
     "added_p50_ms",
     "added_mean_ms",
+    "added_paired_p50_ms",
     "target_added_p50_ms",
 }
 CONCURRENT_KEYS = {

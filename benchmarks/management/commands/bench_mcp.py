@@ -5,11 +5,12 @@ One JSON line on stdout (progress on stderr), with the machine's figures (cpus, 
 steal_pct, cpu_speed), measured against one MCP server on loopback built with the
 official SDK's server side (`benchmarks.mcp.EchoServer`, the tool ``echo``):
 
-- ``overhead``: ``--calls`` sequential calls after a warm-up, (a) on a bare SDK
+- ``overhead``: ``--calls`` sequential pairs of calls after a warm-up, (a) on a bare SDK
   ``ClientSession`` with a plain httpx2 client, (b) through `McpRuntime` as the engine
   calls a tool (credential headers, the guarded outbound client, the pooled session, the
   call slot, the ``_meta`` idempotency key, the output cap); p50/p99/mean of each and
-  ``added_p50_ms`` = ours - bare (target 2 ms).
+  ``added_p50_ms`` = ours - bare (target 2 ms); ``added_paired_p50_ms``: the median of
+  each pair's difference (the two ran back to back, each first every other time).
 - ``concurrent``: ``--runs`` runs dealt over ``--users`` users, each user with their own
   bearer-token connection, each run's scripted model calling ``echo`` ``--calls-per-run``
   times, executed by a real ``manage.py runworker`` subprocess with
