@@ -35,6 +35,7 @@ from agents.mcp.client import McpError, McpSessionPool, RemoteTool, SessionSpec
 from agents.mcp.naming import tool_name
 from agents.mcp.transport import normalize_server_url
 from agents.tools import Tool, ToolContext, ToolError, ToolSuspends
+from sageproject.errors import SageError
 from scheduling.faults import crash_point
 from scheduling.figures import MCP_CALL_SECONDS, MCP_CALLS, Figures
 
@@ -208,6 +209,20 @@ class McpRuntime:
         except McpError as exc:
             raise self._auth(exc, spec) from None
 
+    async def _lease_for_call(self, owner_id: int, spec: SessionSpec, deadline: float) -> Any:
+        """A session for a call, waiting while the pool is full (every session leased by
+        calls under way) until ``deadline`` (monotonic). A call is a step already under
+        way: failing it for a moment's crowding would show the model a spurious error."""
+        pause = 0.01
+        while True:
+            try:
+                return await self._lease(owner_id, spec)
+            except SageError as exc:
+                if exc.code != self.pool.full_code or time.monotonic() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)  # room comes back when any call ends
+            pause = min(pause * 2, 0.2)
+
     def _auth(self, exc: McpError, spec: SessionSpec) -> Exception:
         if exc.code == "mcp.auth_required":
             return McpAuthRequired(spec.server, spec.url, refused=True)
@@ -272,7 +287,7 @@ class McpRuntime:
             try:
                 for attempt in range(2):
                     try:
-                        lease = await self._lease(owner_id, spec)
+                        lease = await self._lease_for_call(owner_id, spec, started + spec.timeout)
                         async with lease:
                             result = await self._guarded(
                                 lease,
@@ -309,6 +324,13 @@ class McpRuntime:
             if exc.code == "mcp.timeout":
                 raise ToolError(f"{exc.message}; the call's effect is unknown") from None
             raise ToolError(exc.message) from None
+        except SageError as exc:
+            if exc.code != self.pool.full_code:
+                raise
+            outcome = "busy"
+            raise ToolError(
+                f"not run: every MCP session of this worker stayed in use for {spec.timeout:g} s"
+            ) from None
         finally:
             users = self._slot_users[owner_id] - 1
             if users:

@@ -12,6 +12,7 @@ from agents.mcp.runtime import McpAuthRequired, McpRuntime, cap_output
 from agents.tools import ToolContext, ToolError
 from scheduling.figures import MCP_CALLS
 from tests.agents.mcp_fixtures import mcp_server_fixture  # noqa: F401  (registers "mcp_server")
+from tests.waiting import awaited_until
 
 TOKENS = {1: {"Authorization": "Bearer alice-token"}}
 
@@ -119,6 +120,26 @@ async def test_a_call_waits_for_a_slot_no_longer_than_its_timeout(mcp_server) ->
         assert busy.value.message.startswith("not run: 1 MCP calls of this user")
         assert mcp_server.calls == []
     finally:
+        await mcp.close()
+
+
+
+async def test_a_call_waits_while_every_session_is_leased(mcp_server) -> None:
+    TOKENS[2] = {"Authorization": "Bearer bob-token"}
+    mcp = runtime(max_sessions=1)
+    try:
+        alice = await mcp.agent_tools(1, [server(mcp_server.url)])
+        bob = await mcp.agent_tools(2, [server(mcp_server.url)])
+        slow = next(t for t in alice.tools if t.name == "mcp__crm__slow")
+        lookup = next(t for t in bob.tools if t.name == "mcp__crm__lookup")
+        running = asyncio.create_task(slow.handler({"seconds": 0.5}, ctx("a")))
+        await awaited_until(lambda: mcp_server.max_running == 1, within=10)
+        # The pool's one session is alice's, leased: bob's call waits for it to end.
+        answer = await lookup.handler({"key": "k"}, ctx("b"))
+        assert running.done() and await running == "slept"
+        assert answer
+    finally:
+        TOKENS.pop(2, None)
         await mcp.close()
 
 
