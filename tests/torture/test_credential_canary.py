@@ -34,6 +34,7 @@ from django.urls import NoReverseMatch, reverse
 from tests.conftest import demo_manifest
 from tests.pooling.upstream import ECHO_CASES, EchoUpstream
 from tests.torture.host import TERMINAL, LiveHost, make_user
+from tests.torture.mcp_echo import EchoMcpServer
 from tests.torture.test_cross_user import api_routes
 
 CHECK = "credential-canary"
@@ -87,7 +88,7 @@ def _admin_urls() -> list[tuple[str, frozenset[int]]]:
     from django.contrib import admin
 
     urls = [reverse("admin:index")]
-    for name in ("admin:capacity", "admin:agents_reclamationrequest_release_idle"):
+    for name in ("admin:capacity", "admin:mcp", "admin:agents_reclamationrequest_release_idle"):
         try:
             urls.append(reverse(name))
         except NoReverseMatch:
@@ -150,6 +151,55 @@ def _api_urls(ids: dict[str, list[str]]) -> list[str]:
     return urls
 
 
+def _scan_host(
+    live_host: LiveHost,
+    scanner: Scanner,
+    ids: dict[str, list[str]],
+    alice_token: str,
+    staff_token: str,
+    staff: Any,
+    password: str,
+) -> list[str]:
+    """Scan every API response (as Alice and as staff), admin page, host log line and
+    database value; returns the admin pages that answered an unexpected status."""
+    api_urls = _api_urls(ids)
+    for who, token in (("alice", alice_token), ("staff", staff_token)):
+        with live_host.client(token) as client:
+            for url in api_urls:
+                response = client.get(url)
+                scanner.scan("api", f"{who} GET {url} ({response.status_code})", response.text)
+
+    admin_failures = []
+    admin = _admin_session(live_host.base_url, staff.username, password)
+    try:
+        for url, allowed in _admin_urls():
+            response = admin.get(url)
+            if response.status_code not in allowed:
+                admin_failures.append(f"{url}: {response.status_code}")
+            scanner.scan("admin", url, response.text)
+    finally:
+        admin.close()
+    for name, text in live_host.logs().items():
+        for number, line in enumerate(text.splitlines(), 1):
+            scanner.scan("logs", f"{name}:{number}", line)
+    for where, text in _database_cells():
+        scanner.scan("database", where, text)
+    return admin_failures
+
+
+def _scanned(scanner: Scanner) -> dict[str, Any]:
+    figures: dict[str, Any] = {
+        "api_responses": scanner.scanned.get("api", 0),
+        "admin_pages": scanner.scanned.get("admin", 0),
+        "log_lines": scanner.scanned.get("logs", 0),
+        "db_cells": scanner.scanned.get("database", 0),
+        "hits": {place: len(where) for place, where in scanner.hits.items()},
+    }
+    if scanner.hits:
+        figures["first_hits"] = {place: where[:3] for place, where in scanner.hits.items()}
+    return figures
+
+
 def test_a_model_key_appears_nowhere_but_in_its_encrypted_column(
     live_host: LiveHost, figures: dict[str, Any]
 ) -> None:
@@ -207,44 +257,13 @@ def test_a_model_key_appears_nowhere_but_in_its_encrypted_column(
         "run": [r["id"] for r in runs],
         "archive": [r["id"] for r in runs],
     }
-    api_urls = _api_urls(ids)
-    for who, token in (("alice", alice_token), ("staff", staff_token)):
-        with live_host.client(token) as client:
-            for url in api_urls:
-                response = client.get(url)
-                scanner.scan("api", f"{who} GET {url} ({response.status_code})", response.text)
-
-    admin_failures = []
-    admin = _admin_session(live_host.base_url, staff.username, password)
-    try:
-        for url, allowed in _admin_urls():
-            response = admin.get(url)
-            if response.status_code not in allowed:
-                admin_failures.append(f"{url}: {response.status_code}")
-            scanner.scan("admin", url, response.text)
-    finally:
-        admin.close()
-    for name, text in live_host.logs().items():
-        for number, line in enumerate(text.splitlines(), 1):
-            scanner.scan("logs", f"{name}:{number}", line)
-    for where, text in _database_cells():
-        scanner.scan("database", where, text)
+    admin_failures = _scan_host(live_host, scanner, ids, alice_token, staff_token, staff, password)
 
     stored = ModelRecord.objects.get(pk=record.json()["id"])
     control = Scanner(key, random_part)
     for request in requests:
         control.scan("upstream", request.path, repr(request))
-    figures.update(
-        runs=statuses,
-        key_sent=sent_key,
-        api_responses=scanner.scanned.get("api", 0),
-        admin_pages=scanner.scanned.get("admin", 0),
-        log_lines=scanner.scanned.get("logs", 0),
-        db_cells=scanner.scanned.get("database", 0),
-        hits={place: len(where) for place, where in scanner.hits.items()},
-    )
-    if scanner.hits:
-        figures["first_hits"] = {place: where[:3] for place, where in scanner.hits.items()}
+    figures.update(runs=statuses, key_sent=sent_key, **_scanned(scanner))
 
     # Controls: the leak was possible, and each place was really looked at.
     assert sent_key >= len(ECHO_CASES), "the upstream never received the key"
@@ -254,3 +273,119 @@ def test_a_model_key_appears_nowhere_but_in_its_encrypted_column(
     assert all(scanner.scanned.get(p) for p in ("api", "admin", "logs", "database"))
     assert set(statuses.values()) <= TERMINAL | {"suspended"}
     assert not scanner.hits, f"the key leaked: {scanner.hits}"
+
+
+# The MCP canary's runs: each its own agent and scripted model (step 1 calls the tools,
+# step 2 answers), and the statuses it may end in.
+LOOKUP = {"name": "mcp__crm__lookup", "arguments": {"key": "k"}}
+MCP_CASES: dict[str, tuple[list[dict[str, Any]], frozenset[str]]] = {
+    # An answer and an isError result (whose text the model sees: it does not echo).
+    "tools": ([LOOKUP, {"name": "mcp__crm__fail", "arguments": {}}], frozenset({"completed"})),
+    # 500 echoing the token.
+    "boom": ([{"name": "mcp__crm__boom", "arguments": {}}], frozenset({"completed", "failed"})),
+    # 401 echoing it, after the listing succeeded: the run asks to connect again.
+    "expire": ([{"name": "mcp__crm__expire", "arguments": {}}, LOOKUP], frozenset({"suspended"})),
+    # The initialise answered 500 echoing it.
+    "broken": ([LOOKUP], frozenset({"failed"})),
+}
+
+
+def _mcp_manifest(name: str, server: EchoMcpServer) -> dict[str, Any]:
+    agents = {
+        case: {
+            "model": f"{name}-{case}",
+            "instructions": "Use the CRM.",
+            "mcp_servers": [
+                {
+                    "name": "crm",
+                    "url": server.broken_url if case == "broken" else server.url,
+                    "timeout_seconds": 10,
+                }
+            ],
+        }
+        for case in MCP_CASES
+    }
+    return {"name": name, "version": "1.0.0", "entrypoint": "tools", "agents": agents}
+
+
+def test_an_mcp_token_appears_nowhere_but_in_its_encrypted_column(
+    live_host: LiveHost, figures: dict[str, Any]
+) -> None:
+    """The same search for a bearer token saved as an MCP connection, sent to a server
+    that echoes it in its 401 and 500 bodies and its failing initialise."""
+    from agents.models import McpConnection
+
+    live_host.ensure_worker()
+    random_part = uuid.uuid4().hex + uuid.uuid4().hex[:8]
+    token = f"mcp-canary-{random_part}"
+    scanner = Scanner(token, random_part)
+    password = f"pw-{uuid.uuid4().hex}"
+    _alice, alice_token = make_user("mcp-canary-alice")
+    staff, staff_token = make_user("mcp-canary-staff", staff=True, password=password)
+    name = f"mcp-canary-{uuid.uuid4().hex[:6]}"
+    statuses: dict[str, str] = {}
+    codes: dict[str, str] = {}
+    runs: list[dict[str, Any]] = []
+    with EchoMcpServer() as server, live_host.client(alice_token) as api:
+        connections = [
+            api.post("/api/v1/mcp-connections/", json={"server_url": url, "bearer_token": token})
+            for url in (server.url, server.broken_url)
+        ]
+        assert all(c.status_code == 201 for c in connections), [c.text for c in connections]
+        records = []
+        for case, (calls, _ends) in MCP_CASES.items():
+            script = [{"text": "", "tool_calls": calls}, {"text": "ok"}]
+            record = api.post(
+                "/api/v1/model-records/",
+                json={
+                    "name": f"{name}-{case}",
+                    "protocol": "scripted",
+                    "model": f"{name}-{case}",
+                    "options": {"script": script},
+                },
+            )
+            assert record.status_code == 201, record.text
+            records.append(record.json())
+        package = api.post("/api/v1/packages/", json={"manifest": _mcp_manifest(name, server)})
+        assert package.status_code == 201, package.text
+        for case in MCP_CASES:
+            session = api.post("/api/v1/sessions/", json={"package": name, "agent": case})
+            assert session.status_code == 201, session.text
+            run = api.post("/api/v1/runs/", json={"session": session.json()["id"], "input": case})
+            assert run.status_code == 202, run.text
+            runs.append(run.json())
+        for case, run in zip(MCP_CASES, runs, strict=True):
+            done = live_host.wait_run(api, run["id"], until=TERMINAL | {"suspended"})
+            statuses[case] = done["status"]
+            codes[case] = ((done.get("error") or done.get("interaction") or {}).get("code")) or ""
+            if done["status"] == "suspended":
+                api.post(f"/api/v1/runs/{run['id']}/cancel/")
+        received = list(server.authorizations)
+        echoed = server.echoed
+    sent_token = sum(1 for auth in received if auth == f"Bearer {token}")
+
+    ids = {
+        "mcpconnection": [str(c.json()["id"]) for c in connections],
+        "modelrecord": [str(r["id"]) for r in records],
+        "package": [str(package.json()["id"])],
+        "session": sorted({r["session"] for r in runs}),
+        "run": [r["id"] for r in runs],
+        "archive": [r["id"] for r in runs],
+    }
+    admin_failures = _scan_host(live_host, scanner, ids, alice_token, staff_token, staff, password)
+    stored = [McpConnection.objects.get(pk=c.json()["id"]) for c in connections]
+    figures.update(
+        runs=statuses, codes=codes, token_sent=sent_token, echoed=echoed, **_scanned(scanner)
+    )
+
+    # Controls: the server received the token; the columns decrypt to it.
+    assert sent_token >= len(MCP_CASES), "the MCP server never received the token"
+    assert echoed >= 3, "the MCP server did not echo the token (401, 500, initialise)"
+    assert all(c.secret == {"token": token} for c in stored)
+    assert all(token not in c.encrypted_secret for c in stored)
+    assert not admin_failures, f"admin pages that answered otherwise: {admin_failures}"
+    assert all(scanner.scanned.get(p) for p in ("api", "admin", "logs", "database"))
+    for case, (_tools, ends) in MCP_CASES.items():
+        assert statuses[case] in ends, f"{case}: {statuses[case]} {codes[case]}"
+    assert codes["expire"] == "mcp.auth_required"
+    assert not scanner.hits, f"the token leaked: {scanner.hits}"
