@@ -101,7 +101,14 @@ class EchoMcpServer:
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.broken_url = f"http://127.0.0.1:{self.port}/broken/mcp"
         self._server = uvicorn.Server(
-            uvicorn.Config(gate, host="127.0.0.1", port=self.port, log_level="warning")
+            uvicorn.Config(
+                gate,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                # The worker's sessions keep a GET stream open: do not wait for it.
+                timeout_graceful_shutdown=1,
+            )
         )
         self._thread = threading.Thread(target=self._server.run, daemon=True, name="mcp-echo")
 
