@@ -15,9 +15,17 @@ in:
 - the host's log files (web and worker);
 - the database: every column of every row of every table.
 
+The same search looks for a second secret: a bearer token Alice saves through the API
+as MCP connections to `tests.torture.mcp_echo.EchoMcpServer` (on loopback; the host allows
+it), which echoes it in its 401 and 500 bodies and in a failing initialise. Her agents
+call its tools through scripted models: an answer and an ``isError`` result, a 500, a 401
+after the listing (the run asks to connect again), a server whose initialise fails. The
+search is one walk for both (the admin and API walk is the check's cost).
+
 Controls: the upstream received the key and echoed it; the record's encrypted column
 decrypts to it; the admin login worked and its pages answered 200; the scanner finds the
-key in the upstream's recorded requests.
+key in the upstream's recorded requests; the MCP server received the token and echoed it
+at least three times; the connections' encrypted column decrypts to it.
 """
 
 from __future__ import annotations
