@@ -12,7 +12,8 @@ Errors, each a `SageError` with a stable code (the server's raw body goes only t
 
 - ``mcp.auth_required`` (AUTHENTICATION, resumable): the server answered 401 — the
   user's credentials are missing, expired or revoked; the run asks the user to connect;
-- ``mcp.unreachable`` (UNAVAILABLE, retryable): no connection, or it broke;
+- ``mcp.unreachable`` (UNAVAILABLE, retryable): no connection, or it broke (during a
+  call: the call's effect is unknown, and the message says so);
 - ``mcp.timeout`` (UPSTREAM, retryable): no answer within the server's ``timeout_seconds``;
 - ``mcp.error`` (UPSTREAM): the server answered with an error of the protocol (not a tool
   error: those, ``isError``, are results the model sees).
@@ -77,6 +78,18 @@ def unreachable(server: str) -> McpError:
     return McpError(
         "mcp.unreachable",
         f"the MCP server {server!r} could not be reached",
+        server=server,
+        category=ErrorCategory.UNAVAILABLE,
+        retryable=True,
+    )
+
+
+def connection_lost(server: str) -> McpError:
+    """The call was sent, then its connection closed before the answer came."""
+    return McpError(
+        "mcp.unreachable",
+        f"the connection to the MCP server {server!r} closed during the call; "
+        "the call's effect is unknown",
         server=server,
         category=ErrorCategory.UNAVAILABLE,
         retryable=True,
@@ -276,9 +289,16 @@ class McpSession:
                 )
         except TimeoutError:
             raise timed_out(self.spec.server, seconds) from None
-        except Exception as exc:
-            if not isinstance(exc, MCPError) or self.auth_refused:
+        except MCPError as exc:
+            # The SDK answers a stream that ended without the response with this code.
+            if exc.code == types.CONNECTION_CLOSED and not self.auth_refused:
                 self.broken = True
+                raise connection_lost(self.spec.server) from None
+            if self.auth_refused:
+                self.broken = True
+            raise self._mapped(exc) from None
+        except Exception as exc:
+            self.broken = True
             raise self._mapped(exc) from None
 
     def _live(self) -> ClientSession:

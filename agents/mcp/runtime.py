@@ -15,8 +15,8 @@ own error (``isError``) is a failed tool result; a server that refuses the crede
 (401) raises `McpAuthRequired` (the run suspends until the user connects) unless the
 ``refused`` callable saved new credentials (an OAuth refresh): then the refused request,
 which the server never acted on, is sent once more with them; a timeout or a
-lost connection is a failed result saying what happened — after a timeout the effect is
-unknown, and the model is told so.
+lost connection is a failed result saying what happened — after a timeout, or a
+connection closed while the call ran, the effect is unknown, and the model is told so.
 """
 
 from __future__ import annotations

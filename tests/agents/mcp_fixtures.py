@@ -3,7 +3,9 @@
 `McpTestServer` serves Streamable HTTP under uvicorn in a thread on a free port. Its tools:
 ``lookup`` (pure), ``bump`` (a side effect: counts its calls, reports progress), ``fail``
 (``isError``), ``big`` (a large output), ``slow`` (sleeps) and ``hidden`` (for the
-``allowed_tools`` tests). Every call is recorded with the bearer token it carried and its
+``allowed_tools`` tests), ``revoke`` (the server forgets the caller's token: its next
+request is answered 401) and ``drop`` (the connection carrying the call is closed while
+the tool runs). Every call is recorded with the bearer token it carried and its
 ``_meta`` idempotency key. Requests whose ``Authorization`` is not one of ``tokens`` get
 401 before the SDK sees them (``tokens=None`` accepts anything).
 """
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -39,6 +42,8 @@ class McpTestServer:
         # ``slow`` calls running at once, and the most there ever were.
         self.running = 0
         self.max_running = 0
+        # Set while a ``drop`` call runs (created in the server's loop).
+        self._dropping: asyncio.Event | None = None
         server = MCPServer("sage-test")
 
         def record(ctx: Context, tool: str, **arguments: Any) -> None:
@@ -93,7 +98,34 @@ class McpTestServer:
             record(ctx, "hidden")
             return "should never run"
 
+        @server.tool()
+        async def revoke(ctx: Context) -> str:
+            """Forget the caller's token (its next request gets 401)."""
+            record(ctx, "revoke")
+            auth = dict(ctx.headers or {}).get("authorization", "")
+            if self.tokens is not None:
+                self.tokens.discard(auth.removeprefix("Bearer "))
+            return "revoked"
+
+        @server.tool()
+        async def drop(ctx: Context) -> str:
+            """Runs until the gate closes the connection carrying it."""
+            record(ctx, "drop")
+            self.dropping().set()
+            await asyncio.sleep(10)
+            return "should never arrive"
+
         app = server.streamable_http_app()
+
+        async def dropped(scope: dict, receive: Any, send: Any) -> None:
+            """Serve a ``drop`` call until the tool runs, then close the connection: the
+            exception makes uvicorn cut the response off."""
+            task = asyncio.create_task(app(scope, receive, send))
+            try:
+                await asyncio.wait_for(self.dropping().wait(), 10)
+            finally:
+                task.cancel()
+            raise ConnectionAbortedError("the test server dropped the call's connection")
 
         async def gate(scope: dict, receive: Any, send: Any) -> None:
             if scope["type"] == "http" and self.tokens is not None:
@@ -108,6 +140,16 @@ class McpTestServer:
                         }
                     )
                     await send({"type": "http.response.body", "body": b'{"error": "no"}'})
+                    return
+            if scope["type"] == "http" and scope["method"] == "POST":
+                body, more = b"", True
+                while more:
+                    message = await receive()
+                    body += message.get("body", b"")
+                    more = message.get("more_body", False)
+                receive = _replay(body, receive)
+                if _called_tool(body) == "drop":
+                    await dropped(scope, receive, send)
                     return
             await app(scope, receive, send)
 
@@ -135,6 +177,36 @@ class McpTestServer:
 
     def called(self, tool: str) -> list[Call]:
         return [c for c in self.calls if c.tool == tool]
+
+    def dropping(self) -> asyncio.Event:
+        if self._dropping is None:
+            self._dropping = asyncio.Event()
+        return self._dropping
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """An ASGI ``receive`` that gives the body read already, then the real one's messages."""
+    replayed = False
+
+    async def replay() -> dict:
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def _called_tool(body: bytes) -> str | None:
+    """The tool a ``tools/call`` request names (None for anything else)."""
+    try:
+        message = json.loads(body)
+    except ValueError:
+        return None
+    if isinstance(message, dict) and message.get("method") == "tools/call":
+        return (message.get("params") or {}).get("name")
+    return None
 
 
 def allow_loopback(monkeypatch) -> None:

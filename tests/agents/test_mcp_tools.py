@@ -277,3 +277,77 @@ def test_a_server_on_a_refused_address_fails_the_run_with_the_reason(alice, star
     run = ends(submit(alice, session), RunStatus.FAILED)
     assert run.error["code"] == "outbound.url_refused"
     assert "SAGE_MCP_ALLOWED_HOSTS" in run.error["message"]
+
+
+def test_a_401_mid_run_suspends_and_a_new_connection_resumes(alice, mcp_server, start_worker):
+    start_worker()
+    connect(alice, mcp_server)
+    session = agent(
+        alice,
+        mcp_server.url,
+        # The listing and this call carry the token; the server then forgets it.
+        {"text": "", "tool_calls": [call("revoke")]},
+        {"text": "", "tool_calls": [call("bump"), call("lookup", key="k")]},
+        # After the retry the model reads "not run" and calls again.
+        {"text": "", "tool_calls": [call("bump")]},
+        {"text": "ok"},
+    )
+    run = ends(submit(alice, session), RunStatus.SUSPENDED)
+    assert run.interaction["type"] == "mcp_auth"
+    assert run.interaction["code"] == "mcp.auth_required"
+    assert "refused the saved credentials" in run.interaction["message"]
+    # The refused call and the rest of its step: answered, never sent.
+    not_run = "not run: the run waited for the user (mcp.auth_required); call it again"
+    assert [(p["id"], p["error"]) for p in events(run, "tool.call.failed")] == [
+        ("call_1_0", not_run),
+        ("call_1_1", not_run),
+    ]
+    assert [c.tool for c in mcp_server.calls] == ["revoke"]
+
+    mcp_server.tokens.add("alice-new-token")
+    connect(alice, mcp_server, token="alice-new-token")
+    services.run_reply(run=run, decision="retry")
+    run = ends(run)
+    assert run.result["text"] == "ok"
+    assert mcp_server.bumps == 1
+    assert [(c.tool, c.authorization) for c in mcp_server.calls] == [
+        ("revoke", "Bearer alice-token"),
+        ("bump", "Bearer alice-new-token"),
+    ]
+    # The call sent again is a new call: its own id and idempotency key.
+    assert [c.key for c in mcp_server.calls] == [f"{run.pk}:call_0_0", f"{run.pk}:call_2_0"]
+    assert_every_call_answered(run)
+
+
+def assert_every_call_answered(run: Run) -> None:
+    """Each ``tool.call.started`` has exactly one answer."""
+    started = [p["id"] for p in events(run, "tool.call.started")]
+    answers = [p["id"] for p in events(run, "tool.call.succeeded")]
+    answers += [p["id"] for p in events(run, "tool.call.failed")]
+    assert sorted(started) == sorted(answers), (started, answers)
+
+
+def test_a_connection_closed_mid_call_is_a_clear_tool_error(alice, mcp_server, start_worker):
+    start_worker()
+    connect(alice, mcp_server)
+    session = agent(
+        alice,
+        mcp_server.url,
+        {"text": "", "tool_calls": [call("drop")]},
+        {"text": "", "tool_calls": [call("lookup", key="k")]},
+        {"text": "ok"},
+    )
+    run = ends(submit(alice, session))
+    # The server ran the tool, then the connection carrying the call closed.
+    assert [c.tool for c in mcp_server.calls] == ["drop", "lookup"]
+    [failed] = events(run, "tool.call.failed")
+    assert failed["id"] == "call_0_0"
+    assert failed["error"] == (
+        "the connection to the MCP server 'crm' closed during the call; "
+        "the call's effect is unknown"
+    )
+    # The next call goes through (on a fresh session), and the run completes.
+    [done] = events(run, "tool.call.succeeded")
+    assert (done["id"], done["output"]) == ("call_1_0", "value of k")
+    assert run.result["text"] == "ok"
+    assert_every_call_answered(run)

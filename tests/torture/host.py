@@ -38,6 +38,8 @@ HOST_ENV = {
     "SAGE_SERVER_MAX_CONCURRENT_RUNS_PER_USER": "8",
     "SAGE_MAX_CONCURRENT_MODEL_CALLS": "8",
     "SAGE_AUTO_RELEASE_IDLE_SECONDS": "0",
+    # The MCP canary's echoing server listens on loopback.
+    "SAGE_MCP_ALLOWED_HOSTS": "127.0.0.1",
 }
 
 
