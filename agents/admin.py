@@ -374,13 +374,30 @@ class ReclamationRequestAdmin(admin.ModelAdmin):
 import agents.jobs.admin  # noqa: E402, F401
 
 
+class McpConnectionStateFilter(admin.SimpleListFilter):
+    """Live or revoked (``active`` is True or NULL: the unique constraint's trick)."""
+
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request, model_admin):
+        return [("live", "live"), ("revoked", "revoked")]
+
+    def queryset(self, request, queryset):
+        if self.value() == "live":
+            return queryset.filter(active=True)
+        if self.value() == "revoked":
+            return queryset.filter(active__isnull=True)
+        return queryset
+
+
 @admin.register(McpConnection)
 class McpConnectionAdmin(admin.ModelAdmin):
     """Users' connections to remote MCP servers: who connected what, and when; never the
     secret. Operators revoke any (the owner's runs then ask to connect again)."""
 
     list_display = ["server", "owner", "kind", "state", "last_used", "updated"]
-    list_filter = ["kind", ("revoked_at", admin.EmptyFieldListFilter)]
+    list_filter = ["kind", McpConnectionStateFilter]
     search_fields = ["server_url", "owner__username"]
     list_select_related = ["owner"]
     fields = [

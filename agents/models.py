@@ -249,6 +249,7 @@ class McpConnection(models.Model):
             ),
         ]
         ordering = ["-updated_at"]
+        verbose_name = "MCP connection"
 
     def __str__(self) -> str:
         return f"{self.server_url} ({self.kind})"
@@ -310,6 +311,9 @@ class McpOAuthClient(models.Model):
     info = _EncryptedJson("encrypted_info")
     created_at = models.DateTimeField(auto_now_add=True)
 
+    class Meta:
+        verbose_name = "MCP OAuth client"
+
     def __str__(self) -> str:
         return self.issuer
 
@@ -330,6 +334,10 @@ class McpOAuthPending(models.Model):
     flow = _EncryptedJson("encrypted_flow")
     expires_at = models.DateTimeField(db_index=True)
     created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        verbose_name = "MCP OAuth authorization under way"
+        verbose_name_plural = "MCP OAuth authorizations under way"
 
     def __str__(self) -> str:
         return self.server_url

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.validators import RegexValidator
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.request import Request
@@ -16,12 +17,23 @@ from rest_framework.response import Response
 
 from agents.models import McpConnection
 from agents.services import mcp as services
+from pooling.api import BASE_URL_PATTERN
 from sageproject.api import JSONObjectField, StrictFieldsMixin
 
 
 class McpConnectionSaveSerializer(StrictFieldsMixin, serializers.Serializer):
     server_url = serializers.CharField(
-        max_length=2000, help_text="The server's Streamable HTTP endpoint (http or https)."
+        max_length=2000,
+        trim_whitespace=False,
+        # The schema states the syntax (its pattern); the service checks the rest.
+        validators=[
+            RegexValidator(
+                BASE_URL_PATTERN,
+                "Enter an http or https URL: host (DNS labels of at most 63 characters), "
+                "optional port, path and query.",
+            )
+        ],
+        help_text="The server's Streamable HTTP endpoint (http or https).",
     )
     bearer_token = serializers.CharField(
         write_only=True,

@@ -124,6 +124,7 @@ KNOWN_ROUTES = {
     "/api/v1/runs/{run_id}/jobs/",
     "/api/v1/archives/{run_id}/",
     "/api/v1/reclamations/{pk}/",
+    "/api/v1/mcp-connections/{pk}/",
 }
 
 
@@ -162,6 +163,11 @@ def _alice_world(host: LiveHost, alice_token: str, staff_token: str, username: s
         assert run.status_code == 202, run.text
         finished = host.wait_run(api, run.json()["id"])
         assert finished["status"] == "completed", finished
+        connection = api.post(
+            "/api/v1/mcp-connections/",
+            json={"server_url": f"https://mcp-{tag}.example.com/mcp", "bearer_token": tag},
+        )
+        assert connection.status_code == 201, connection.text
     with host.client(staff_token) as api:
         reclamation = api.post("/api/v1/reclamations/", json={"min_idle_seconds": 86400})
         assert reclamation.status_code == 202, reclamation.text
@@ -174,6 +180,7 @@ def _alice_world(host: LiveHost, alice_token: str, staff_token: str, username: s
             "run": run.json()["id"],
             "archive": run.json()["id"],
             "reclamation": str(reclamation.json()["id"]),
+            "mcpconnection": str(connection.json()["id"]),
         },
         markers=[
             username,
@@ -230,7 +237,7 @@ def _code(response: httpx.Response) -> str | None:
 
 
 def _snapshot(alice: Any) -> dict[str, Any]:
-    from agents.models import AgentPackage, ManagedAgentRecord, ReclamationRequest
+    from agents.models import AgentPackage, ManagedAgentRecord, McpConnection, ReclamationRequest
     from pooling.models import ModelRecord
     from scheduling.models import Event, Run, Session
 
@@ -244,6 +251,7 @@ def _snapshot(alice: Any) -> dict[str, Any]:
         "runs": rows(Run, owner=alice),
         "events": rows(Event, session__owner=alice),
         "archives": rows(ManagedAgentRecord, owner=alice),
+        "mcp_connections": rows(McpConnection, owner=alice),
         # Ids only: the worker answers a reclamation request (its status moves) meanwhile.
         "reclamations": sorted(ReclamationRequest.objects.values_list("id", flat=True)),
     }
