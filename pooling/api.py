@@ -25,6 +25,12 @@ BASE_URL_PATTERN = (
     rf"(?:/{_URI_CHAR}*)?(?:\?(?:{_URI_CHAR}|\?)*)?\Z"
 )
 
+URL_VALIDATOR = RegexValidator(
+    BASE_URL_PATTERN,
+    "Enter an http or https URL: host (DNS labels of at most 63 characters), "
+    "optional port, path and query.",
+)
+
 
 class ModelRecordSerializer(StrictFieldsMixin, serializers.ModelSerializer):
     base_url = serializers.CharField(
@@ -32,13 +38,7 @@ class ModelRecordSerializer(StrictFieldsMixin, serializers.ModelSerializer):
         required=False,
         allow_blank=True,
         trim_whitespace=False,
-        validators=[
-            RegexValidator(
-                BASE_URL_PATTERN,
-                "Enter an http or https URL: host (DNS labels of at most 63 characters), "
-                "optional port, path and query.",
-            )
-        ],
+        validators=[URL_VALIDATOR],
         help_text="The upstream's base URL (http or https); empty for the protocol's default.",
     )
     api_key = serializers.CharField(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.validators import RegexValidator
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.request import Request
@@ -17,7 +16,7 @@ from rest_framework.response import Response
 
 from agents.models import McpConnection
 from agents.services import mcp as services
-from pooling.api import BASE_URL_PATTERN
+from pooling.api import URL_VALIDATOR
 from sageproject.api import JSONObjectField, StrictFieldsMixin
 
 
@@ -26,13 +25,7 @@ class McpConnectionSaveSerializer(StrictFieldsMixin, serializers.Serializer):
         max_length=2000,
         trim_whitespace=False,
         # The schema states the syntax (its pattern); the service checks the rest.
-        validators=[
-            RegexValidator(
-                BASE_URL_PATTERN,
-                "Enter an http or https URL: host (DNS labels of at most 63 characters), "
-                "optional port, path and query.",
-            )
-        ],
+        validators=[URL_VALIDATOR],
         help_text="The server's Streamable HTTP endpoint (http or https).",
     )
     bearer_token = serializers.CharField(
