@@ -193,7 +193,8 @@ def _slow_package(user, *, text_words: int, delay_ms: int, name: str = "slow") -
 
 @pytest.mark.storage
 def test_a_run_is_cancelled_or_rolled_back(lg_url, alice, scripted_record, start_worker):
-    _slow_package(alice, text_words=400, delay_ms=20)
+    # Long enough (about 40 s) that a loaded machine still cancels it mid-answer.
+    _slow_package(alice, text_words=2000, delay_ms=20)
     start_worker()
     client = sdk(lg_url, alice)
     thread_id = client.threads.create()["thread_id"]
