@@ -315,7 +315,7 @@ def test_a_run_waiting_for_approval_is_resumed_with_a_command(
         }
     ]
     assert request["review_configs"] == [
-        {"action_name": "calculator", "allowed_decisions": ["approve", "reject"]}
+        {"action_name": "calculator", "allowed_decisions": ["approve", "reject", "edit"]}
     ]
     run = Run.objects.get(pk=run_id)
     assert run.status == RunStatus.SUSPENDED and interrupt["id"] == run.interaction["id"]
