@@ -22,7 +22,9 @@ def _finish(run) -> None:
     Session.objects.filter(pk=run.session_id).update(persisted_events=3)
 
 
-def test_a_run_that_ends_between_the_reads_is_still_followed_from_its_start(alice, make_session):
+def test_a_run_that_ends_between_the_reads_is_still_followed_from_its_start(
+    alice, make_session
+):
     run, _ = services.run_submit(owner=alice, session_id=make_session(alice).pk, input="go")
     reads = []
 
