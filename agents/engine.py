@@ -122,6 +122,8 @@ def history_from_events(
     pending: dict[str, str] = {}
     unapproved: set[str] = set()
     left_open = set(open_calls)
+    # The assistant's calls by id, their arguments made those a call was started with.
+    asked_calls: dict[str, dict[str, Any]] = {}
 
     def answer_pending(final: bool = False) -> None:
         for call_id, name in pending.items():
@@ -142,10 +144,16 @@ def history_from_events(
                 "content": payload.get("content", ""),
             }
             if payload.get("tool_calls"):
-                message["tool_calls"] = list(payload["tool_calls"])
+                message["tool_calls"] = [dict(c) for c in payload["tool_calls"]]
+                asked_calls.update((str(c.get("id", "")), c) for c in message["tool_calls"])
                 for call in payload["tool_calls"]:
                     pending[str(call.get("id", ""))] = str(call.get("name", ""))
             messages.append(message)
+        elif etype == TOOL_STARTED:
+            # A call the user edited before approving was sent with other arguments.
+            asked = asked_calls.get(str(payload.get("id", "")))
+            if asked is not None and isinstance(payload.get("arguments"), Mapping):
+                asked["arguments"] = dict(payload["arguments"])
         elif etype in (TOOL_SUCCEEDED, TOOL_FAILED):
             pending.pop(str(payload.get("id", "")), None)
             content = (
@@ -197,6 +205,15 @@ async def _call_tool(
             output = output[:MAX_TOOL_OUTPUT_CHARS]
         span.succeeded(output)
         return True, output
+
+
+def _sent_as(history: list[dict[str, Any]], calls: Sequence[ToolCall]) -> None:
+    """Give the assistant tool calls in ``history`` the arguments ``calls`` are sent with."""
+    sent = {c.id: dict(c.arguments) for c in calls}
+    asked = next((m for m in reversed(history) if m.get("tool_calls")), None)
+    for call in (asked or {}).get("tool_calls") or ():
+        if call.get("id") in sent:
+            call["arguments"] = sent[call["id"]]
 
 
 def _started(calls: Sequence[ToolCall], rejected: frozenset[str] = frozenset()) -> EventBatch:
@@ -272,6 +289,8 @@ async def run_turn(
         await emit(_started(resend))
         await act(resend)
     if approval is not None:
+        # An edited call is sent as edited: the model later sees what was sent.
+        _sent_as(history, approval.calls)
         started = _started(approval.calls, approval.rejected)
         if started:
             await emit(started)

@@ -137,13 +137,15 @@ def _prepared_from_claim(row: dict[str, Any]) -> PreparedRun:
 
 def _approval_reply(interaction: dict[str, Any] | None) -> ApprovalReply | None:
     """The calls of an answered approval interaction, the waiting ones rejected when the
-    decision was ``reject``; None for anything else."""
+    decision was ``reject``, with the user's arguments where it was ``edit``; None for
+    anything else."""
     interaction = interaction or {}
     resolution = interaction.get("resolution")
     if interaction.get("type") != "approval" or not resolution:
         return None
+    edits = resolution.get("edits") or {}
     calls = tuple(
-        ToolCall(id=c["id"], name=c["name"], arguments=c.get("arguments") or {})
+        ToolCall(id=c["id"], name=c["name"], arguments=edits.get(c["id"], c.get("arguments") or {}))
         for c in interaction.get("tool_calls") or ()
     )
     rejected = resolution.get("decision") == "reject"
@@ -861,7 +863,7 @@ class RunExecutor:
             "message": str(request),
             "tool_calls": request.calls,
             "waiting": request.waiting,
-            "allowed_decisions": ["approve", "reject"],
+            "allowed_decisions": ["approve", "reject", "edit"],
         }
         return Outcome(
             status=RunStatus.SUSPENDED, session_id=prepared.session_id, interaction=interaction

@@ -55,6 +55,14 @@ class RunReplySerializer(StrictFieldsMixin, serializers.Serializer):
     interaction = serializers.CharField(
         max_length=64, required=False, help_text="The interaction id being answered."
     )
+    edits = serializers.DictField(
+        child=serializers.JSONField(),
+        required=False,
+        help_text=(
+            "With decision edit (an approval): the new arguments (a JSON object) of "
+            "waiting calls, by call id; the other calls run as the model asked."
+        ),
+    )
 
 
 class RunSerializer(serializers.ModelSerializer):
@@ -206,12 +214,14 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     )
     @action(detail=True, methods=["post"])
     def reply(self, request: Request, pk: str | None = None) -> Response:
-        """Answer a suspended run (decision ``retry`` resumes it, ``cancel`` ends it)."""
+        """Answer a suspended run (decision ``retry`` resumes it, ``cancel`` ends it; an
+        approval's ``approve``, ``reject`` or ``edit`` with ``edits``)."""
         data = RunReplySerializer(data=request.data)
         data.is_valid(raise_exception=True)
         run = services.run_reply(
             run=self.get_object(),
             decision=data.validated_data["decision"],
             interaction_id=data.validated_data.get("interaction"),
+            edits=data.validated_data.get("edits"),
         )
         return Response(RunSerializer(run).data, status=status.HTTP_202_ACCEPTED)

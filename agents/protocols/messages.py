@@ -144,17 +144,50 @@ def interrupt_value(interaction: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in interaction.items() if k not in ("id", "resolution")}
 
 
+def edits(resume: Any, interaction: Mapping[str, Any]) -> dict[str, Any]:
+    """The edited arguments a ``Command(resume=...)`` value gives an approval's waiting
+    calls, by call id: agent-chat-ui's ``{"decisions": [...]}`` in the order of the
+    interrupt's ``action_requests``, each ``{"type": "edit", "edited_action": {"name",
+    "args"}}`` (or the older ``{"type": "edit", "args": {"action", "args"}}``)."""
+    if isinstance(resume, Mapping) and interaction.get("id") in resume:
+        resume = resume[interaction["id"]]
+    if isinstance(resume, Mapping) and isinstance(resume.get("decisions"), list):
+        answers = list(resume["decisions"])
+    elif isinstance(resume, list):
+        answers = resume
+    else:
+        answers = [resume]
+    waiting = set(interaction.get("waiting") or ())
+    asked = [c for c in interaction.get("tool_calls") or () if c.get("id") in waiting]
+    found: dict[str, Any] = {}
+    for call, answer in zip(asked, answers, strict=False):
+        if not isinstance(answer, Mapping) or answer.get("type") != "edit":
+            continue
+        action = answer.get("edited_action") or answer.get("args") or {}
+        if isinstance(action, Mapping):
+            found[str(call["id"])] = action.get("args")
+    return found
+
+
 def decision(resume: Any, interaction: Mapping[str, Any]) -> Any:
     """The decision a ``Command(resume=...)`` value gives an interaction: a decision's
     name (``"approve"``), ``{"type": ...}`` or ``{"decision": ...}``, agent-chat-ui's
-    ``{"decisions": [{"type": ...}]}`` (the first), a map of interrupt id to any of these,
-    or ``true`` / ``false`` (the first allowed decision / ``reject`` or ``cancel``). The
-    caller checks it is allowed."""
+    ``{"decisions": [{"type": ...}]}`` (the first, or ``edit`` if one edits), a map of
+    interrupt id to any of these, or ``true`` / ``false`` (the first allowed decision /
+    ``reject`` or ``cancel``). The caller checks it is allowed."""
     allowed = list(interaction.get("allowed_decisions") or ())
     if isinstance(resume, Mapping) and interaction.get("id") in resume:
         resume = resume[interaction["id"]]
     if isinstance(resume, Mapping) and isinstance(resume.get("decisions"), list):
-        resume = resume["decisions"][0] if resume["decisions"] else None
+        resume = resume["decisions"]
+    if isinstance(resume, list):
+        # One answer per call: an edit approves them all, the edited ones as edited (an
+        # edit beside a reject is no one decision).
+        types = [a.get("type") if isinstance(a, Mapping) else a for a in resume]
+        if "edit" in types:
+            resume = None if "reject" in types else "edit"
+        else:
+            resume = types[0] if types else None
     if isinstance(resume, Mapping):
         resume = resume.get("type", resume.get("decision"))
     if isinstance(resume, bool):

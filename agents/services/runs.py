@@ -7,6 +7,7 @@ check what the caller may do and call it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from agents.models import AgentPackage
@@ -76,11 +77,20 @@ def run_cancel(*, run: Run, rollback: bool = False) -> Run:
     return runs.cancel(run.pk, rollback=rollback)
 
 
-def run_reply(*, run: Run, decision: str, interaction_id: str | None = None) -> Run:
+def run_reply(
+    *,
+    run: Run,
+    decision: str,
+    interaction_id: str | None = None,
+    edits: Mapping[str, Any] | None = None,
+) -> Run:
     """Answer a suspended run's interaction: ``retry`` queues it again, ``cancel`` ends it.
 
+    An approval's ``edit`` approves its calls with ``edits`` (call id to new arguments)
+    in place of the model's arguments; the edits are kept in the resolution.
     Raises ``run.not_suspended`` (409) when there is nothing to answer, and
-    ``run.decision_invalid`` (400) for a decision the interaction does not allow.
+    ``run.decision_invalid`` (400) for a decision the interaction does not allow or
+    edits that are not of its waiting calls.
     """
     interaction = run.interaction or {}
     if run.status != RunStatus.SUSPENDED or not interaction:
@@ -96,12 +106,41 @@ def run_reply(*, run: Run, decision: str, interaction_id: str | None = None) -> 
             f"decision must be one of {', '.join(allowed)}",
             details={"fields": {"decision": [f"must be one of {allowed}"]}},
         )
+    checked = _checked_edits(interaction, decision, edits)
     if decision == "cancel":
         return run_cancel(run=run)
-    resolution = {"interaction_id": interaction.get("id"), "decision": decision}
+    resolution: dict[str, Any] = {"interaction_id": interaction.get("id"), "decision": decision}
+    if checked:
+        resolution["edits"] = checked
     if not runs.resume(run.pk, resolution):
         raise ConflictError("run.not_suspended", "the run changed state; read it again")
     return Run.objects.get(pk=run.pk)
+
+
+def _checked_edits(
+    interaction: Mapping[str, Any], decision: str, edits: Mapping[str, Any] | None
+) -> dict[str, dict[str, Any]]:
+    """``edits`` when they fit: only an ``edit`` has them (and needs one), each of a
+    waiting call, each a JSON object. Raises ``run.decision_invalid`` (400)."""
+    if decision != "edit":
+        if edits:
+            raise _invalid_edits("only the decision edit has edits")
+        return {}
+    if not isinstance(edits, Mapping) or not edits:
+        raise _invalid_edits("an edit needs the new arguments of at least one call")
+    waiting = set(interaction.get("waiting") or ())
+    for call_id, arguments in edits.items():
+        if call_id not in waiting:
+            raise _invalid_edits(f"{call_id!r} is not a call waiting for approval")
+        if not isinstance(arguments, Mapping):
+            raise _invalid_edits(f"the arguments of {call_id!r} must be a JSON object")
+    return {str(k): dict(v) for k, v in edits.items()}
+
+
+def _invalid_edits(message: str) -> ValidationError:
+    return ValidationError(
+        "run.decision_invalid", message, details={"fields": {"edits": [message]}}
+    )
 
 
 def check_rollback(*, session: Session, after_seq: int) -> list[Any]:

@@ -11,7 +11,7 @@ from agents.manifest import parse_manifest
 from agents.services import packages
 from sageproject.errors import ValidationError
 from scheduling.models import Event, Run, RunStatus
-from tests.conftest import demo_manifest
+from tests.conftest import client_for, demo_manifest
 from tests.e2e import conftest as e2e
 from tests.e2e.conftest import wait_for
 
@@ -41,7 +41,7 @@ def test_an_approved_call_runs_after_the_reply(alice, scripted_record, start_wor
     run, session = _suspended_for_approval(alice, scripted_record)
     interaction = run.interaction
     assert interaction["type"] == "approval"
-    assert interaction["allowed_decisions"] == ["approve", "reject"]
+    assert interaction["allowed_decisions"] == ["approve", "reject", "edit"]
     [call] = interaction["tool_calls"]
     assert call["name"] == "calculator"
     assert interaction["waiting"] == [call["id"]]
@@ -104,6 +104,72 @@ def test_a_cancelled_approval_leaves_a_history_a_provider_accepts(
     }
     # While the approval is being answered, the step's calls stay open.
     assert history_from_events(_events(session), open_calls=[call_id])[-1]["role"] == "assistant"
+
+
+def test_an_edited_call_runs_with_the_users_arguments(alice, scripted_record, start_worker):
+    start_worker()
+    run, session = _suspended_for_approval(alice, scripted_record)
+    interaction = run.interaction
+    call_id = interaction["waiting"][0]
+    edits = {call_id: {"expression": "3*3"}}
+    services.run_reply(run=run, decision="edit", interaction_id=interaction["id"], edits=edits)
+    wait_for(
+        lambda: Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED,
+        message="the edited run to complete",
+    )
+    events = _events(session)
+    started = [p for t, p in events if t == "tool.call.started"]
+    assert [(p["id"], p["arguments"]) for p in started] == [(call_id, {"expression": "3*3"})]
+    assert Run.objects.get(pk=run.pk).result["text"] == "The result is 9."
+    resolved = [p for t, p in events if t == "interaction.resolved"]
+    assert resolved == [{"interaction_id": interaction["id"], "decision": "edit", "edits": edits}]
+    # The history a later turn gives the model has the call as it was sent.
+    [asked] = [m for m in history_from_events(events) if m.get("tool_calls")]
+    assert asked["tool_calls"][0]["arguments"] == {"expression": "3*3"}
+
+
+def test_an_edit_is_given_over_rest(alice, scripted_record, start_worker):
+    start_worker()
+    run, _ = _suspended_for_approval(alice, scripted_record)
+    call_id = run.interaction["waiting"][0]
+    response = client_for(alice).post(
+        f"/api/v1/runs/{run.pk}/reply/",
+        {"decision": "edit", "edits": {call_id: {"expression": "5*5"}}},
+        format="json",
+    )
+    assert response.status_code == 202, response.content
+    wait_for(
+        lambda: Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED,
+        message="the edited run to complete",
+    )
+    assert Run.objects.get(pk=run.pk).result["text"] == "The result is 25."
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"decision": "edit", "edits": {"call_elsewhere": {"expression": "1"}}},
+        {"decision": "edit", "edits": {"WAITING": ["not", "an", "object"]}},
+        {"decision": "edit"},
+        {"decision": "approve", "edits": {"WAITING": {"expression": "1"}}},
+    ],
+)
+def test_an_invalid_edit_is_refused_and_changes_nothing(alice, scripted_record, start_worker, body):
+    start_worker()
+    run, session = _suspended_for_approval(alice, scripted_record)
+    call_id = run.interaction["waiting"][0]
+    if "edits" in body:
+        body = {
+            **body,
+            "edits": {k.replace("WAITING", call_id): v for k, v in body["edits"].items()},
+        }
+    before = len(_events(session))
+    response = client_for(alice).post(f"/api/v1/runs/{run.pk}/reply/", body, format="json")
+    assert response.status_code == 400, response.content
+    assert response.json()["error"]["code"] == "run.decision_invalid"
+    after = Run.objects.get(pk=run.pk)
+    assert (after.status, after.interaction) == (RunStatus.SUSPENDED, run.interaction)
+    assert len(_events(session)) == before
 
 
 def test_approval_names_only_the_agents_tools():

@@ -176,6 +176,26 @@ def test_an_always_approval_waits_for_the_user(alice, mcp_server, start_worker, 
     assert mcp_server.bumps == (1 if decision == "approve" else 0)
 
 
+def test_an_edited_call_is_sent_with_the_users_arguments(alice, mcp_server, start_worker):
+    start_worker()
+    connect(alice, mcp_server)
+    session = agent(
+        alice,
+        mcp_server.url,
+        {"text": "", "tool_calls": [call("bump", by=1)]},
+        {"text": "ok"},
+        approval={"always": ["bump"]},
+    )
+    run = ends(submit(alice, session), RunStatus.SUSPENDED)
+    [call_id] = run.interaction["waiting"]
+    services.run_reply(run=run, decision="edit", edits={call_id: {"by": 5}})
+    ends(run)
+    [sent] = mcp_server.called("bump")
+    assert (sent.arguments, sent.key) == ({"by": 5}, f"{run.pk}:{call_id}")
+    assert [p["arguments"] for p in events(run, "tool.call.started")] == [{"by": 5}]
+    assert mcp_server.bumps == 5
+
+
 def test_a_tool_outside_allowed_tools_is_never_called(alice, mcp_server, start_worker):
     start_worker()
     connect(alice, mcp_server)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agents.protocols.messages import Resume, RunStream, Thread, decision, parse_event_id
+from agents.protocols.messages import Resume, RunStream, Thread, decision, edits, parse_event_id
 
 RUN = "r1"
 
@@ -99,6 +99,23 @@ def test_a_durable_part_resumes_after_itself():
     # Cut after its values: only the end; after the end, nothing.
     assert [p.id for p in _rest(_stream(2, resume=parse_event_id("3-5")), 2)] == ["4-15"]
     assert _rest(_stream(3, resume=parse_event_id("4-15")), 3) == []
+
+
+def test_a_resume_value_gives_an_edit_and_its_arguments():
+    approval = {
+        "id": "i1",
+        "allowed_decisions": ["approve", "reject", "edit"],
+        "tool_calls": [{"id": "c0", "name": "clock"}, {"id": "c1", "name": "calculator"}],
+        "waiting": ["c1"],
+    }
+    new = {"type": "edit", "edited_action": {"name": "calculator", "args": {"expression": "1"}}}
+    assert decision({"decisions": [new]}, approval) == "edit"
+    assert edits({"decisions": [new]}, approval) == {"c1": {"expression": "1"}}
+    older = {"type": "edit", "args": {"action": "calculator", "args": {"expression": "2"}}}
+    assert decision([older], approval) == "edit"
+    assert edits([older], approval) == {"c1": {"expression": "2"}}
+    # An edit beside a reject is no one decision.
+    assert decision({"decisions": [new, {"type": "reject"}]}, approval) is None
 
 
 def test_a_resume_value_gives_a_decision():

@@ -316,7 +316,7 @@ def test_a_run_waiting_for_approval_is_resumed_with_a_command(
         }
     ]
     assert request["review_configs"] == [
-        {"action_name": "calculator", "allowed_decisions": ["approve", "reject"]}
+        {"action_name": "calculator", "allowed_decisions": ["approve", "reject", "edit"]}
     ]
     run = Run.objects.get(pk=run_id)
     assert run.status == RunStatus.SUSPENDED and interrupt["id"] == run.interaction["id"]
@@ -346,6 +346,34 @@ def test_a_run_waiting_for_approval_is_resumed_with_a_command(
     resolved = Event.objects.get(run_id=run_id, type="interaction.resolved").payload
     assert resolved["decision"] == "approve"
     assert client.threads.get(thread_id)["status"] == "idle"
+
+
+@pytest.mark.storage
+def test_an_edit_from_agent_chat_ui_runs_the_edited_call(
+    lg_url, alice, scripted_record, start_worker
+):
+    manifest = demo_manifest(name="careful", approval=["calculator"])
+    packages.package_create(owner=alice, manifest=manifest)
+    start_worker()
+    client = sdk(lg_url, alice)
+    thread_id, parts = stream_on_a_new_thread(
+        client, "careful/assistant", "please calculate 2+2", stream_mode="values"
+    )
+    run_id = parts[0].data["run_id"]
+    edited = {"name": "calculator", "args": {"expression": "6*7"}}
+    resumed = list(
+        client.runs.stream(
+            thread_id,
+            "careful/assistant",
+            command={"resume": {"decisions": [{"type": "edit", "edited_action": edited}]}},
+            stream_mode="values",
+        )
+    )
+    final = resumed[-2].data["messages"]
+    assert [m["content"] for m in final[2:]] == ["42", "The result is 42."]
+    resolved = Event.objects.get(run_id=run_id, type="interaction.resolved").payload
+    assert resolved["decision"] == "edit"
+    assert list(resolved["edits"].values()) == [{"expression": "6*7"}]
 
 
 @pytest.mark.storage

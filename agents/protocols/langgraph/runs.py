@@ -27,7 +27,7 @@ from agents.protocols.langgraph.streams import (
     until_finished,
     wait_response,
 )
-from agents.protocols.messages import checkpoint_seq, decision, parse_event_id
+from agents.protocols.messages import checkpoint_seq, decision, edits, parse_event_id
 from sageproject.errors import ConflictError, NotFoundError
 from scheduling.models import Multitask, Run, RunStatus, Session
 
@@ -176,7 +176,12 @@ def _resume(session: Session, command: Mapping[str, Any]) -> tuple[Run, int]:
         allowed = interaction.get("allowed_decisions") or []
         raise common.invalid("command.resume", f"must choose one of {', '.join(allowed)}")
     after = persisted(session)
-    run = services.run_reply(run=run, decision=choice, interaction_id=interaction.get("id"))
+    run = services.run_reply(
+        run=run,
+        decision=choice,
+        interaction_id=interaction.get("id"),
+        edits=edits(command.get("resume"), interaction) if choice == "edit" else None,
+    )
     return run, after
 
 
